@@ -1,0 +1,1 @@
+"""The ``dynamix`` command: demo, benchmarks."""

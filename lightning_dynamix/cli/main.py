@@ -1,0 +1,38 @@
+"""Entry point of the ``dynamix`` command."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Sequence
+
+from lightning_dynamix.cli import bench, demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dynamix", description="lightning-dynamix: heterogeneous data parallelism")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo_parser = commands.add_parser("demo", help="run a multi-process job with uneven per-rank batch sizes")
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run)
+
+    bench_parser = commands.add_parser("bench", help="measured benchmarks")
+    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
+    overhead = benchmarks.add_parser(
+        "overhead", help="HeterogeneousDDPStrategy with equal sizes against Lightning's ddp, back to back"
+    )
+    bench.add_overhead_arguments(overhead)
+    overhead.set_defaults(func=bench.run_overhead)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    # a deprecation inside Lightning's own pytree helper, printed on every step with recent torch
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    args = build_parser().parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

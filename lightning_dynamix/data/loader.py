@@ -1,0 +1,83 @@
+"""A DataLoader that knows which global step each batch it hands out belongs to.
+
+DataLoader workers prefetch: the sampler has produced more batches than training has used.
+:class:`HeterogeneousDataLoader` counts the batches it actually hands out, so it can tell
+which step (and so which per-rank batch sizes) the batch being trained on has, and it saves a
+resumable position: the batches trained on, not the batches prefetched. It implements
+``state_dict``/``load_state_dict``, which Lightning's fit loop saves into checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
+from lightning_dynamix.data.schedule import BatchSizes
+
+
+class _StepCountingIterator(Iterator[Any]):
+    """Wraps a DataLoader iterator and records the step of every batch it returns."""
+
+    def __init__(self, loader: HeterogeneousDataLoader, iterator: Iterator[Any]) -> None:
+        self._loader = loader
+        self._iterator = iterator
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        self._loader._record_step(self._loader.batch_sampler._consume())
+        return batch
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+
+class HeterogeneousDataLoader(DataLoader):
+    """A ``DataLoader`` driven by a :class:`HeterogeneousBatchSampler`.
+
+    Args:
+        dataset: a map-style dataset.
+        batch_sampler: the sampler that decides this rank's batches.
+        **kwargs: any other ``DataLoader`` argument except those that select batches
+            (``batch_size``, ``shuffle``, ``sampler``, ``drop_last``: torch rejects them).
+    """
+
+    batch_sampler: HeterogeneousBatchSampler
+
+    def __init__(self, dataset: Dataset, batch_sampler: HeterogeneousBatchSampler, **kwargs: Any) -> None:
+        if not isinstance(batch_sampler, HeterogeneousBatchSampler):
+            raise ValueError(f"`batch_sampler` must be a HeterogeneousBatchSampler, got {type(batch_sampler).__name__}")
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        batch_sampler._counts_consumption = True
+        self._current_step = -1
+        self._current_sizes: BatchSizes = ()
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._current_step = -1
+        return _StepCountingIterator(self, super().__iter__())
+
+    def _record_step(self, step: int) -> None:
+        self._current_step = step
+        self._current_sizes = self.batch_sampler.batch_sizes_at(step)
+
+    @property
+    def current_step(self) -> int:
+        """The step (within the epoch) of the batch handed out last; -1 before the first one."""
+        return self._current_step
+
+    @property
+    def current_batch_sizes(self) -> BatchSizes:
+        """Every rank's real batch size at :attr:`current_step`."""
+        if self._current_step < 0:
+            raise RuntimeError("no batch has been handed out by this DataLoader's current iterator yet")
+        return self._current_sizes
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state, positioned after the last batch handed out."""
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the next iterator continues where training stopped."""
+        self.batch_sampler.load_state_dict(state_dict)

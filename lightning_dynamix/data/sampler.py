@@ -1,0 +1,384 @@
+"""Batch sampling with a different batch size on every rank and one global schedule.
+
+:class:`HeterogeneousBatchSampler` replaces ``DistributedSampler`` + ``BatchSampler`` in
+data-parallel training where ranks have different speeds. All ranks share one epoch order (a
+permutation seeded with ``seed + epoch``) and one cursor into it: step ``k`` takes the next
+``sum(b)`` positions and rank ``r`` gets its slice in rank order. Because every rank computes the
+same schedule, all ranks yield the same number of batches (unequal counts would hang DDP), every
+sample is used exactly once per epoch, and batch sizes can change at any step not yet handed
+out, identically on all ranks. See :mod:`lightning_dynamix.data.schedule` for the last step of an
+epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence, Sized
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import IterableDataset, Sampler
+
+from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, validate_batch_sizes
+
+_STATE_VERSION = 1
+
+
+class EpochPermutation(Sampler[int]):
+    """The global order of one epoch, shared by all ranks.
+
+    A permutation of ``range(num_samples)`` drawn from a generator seeded with ``seed + epoch``
+    (the identity when ``shuffle=False``). It is the ``sampler`` of a
+    :class:`HeterogeneousBatchSampler`, so loops that call ``batch_sampler.sampler.set_epoch``
+    (Lightning does) reshuffle every epoch.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        on_epoch_change: Callable[[int], None] | None = None,
+    ) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+        self._on_epoch_change = on_epoch_change
+        self._order: torch.Tensor | None = None
+        self._order_epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the order of ``epoch``; every rank must use the same epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"`epoch` must be an int >= 0, got {epoch!r}")
+        changed = epoch != self.epoch
+        self.epoch = epoch
+        if changed and self._on_epoch_change is not None:
+            self._on_epoch_change(epoch)
+
+    def _current_order(self) -> torch.Tensor:
+        if self._order is None or self._order_epoch != self.epoch:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            self._order = torch.randperm(self.num_samples, generator=generator)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def indices(self, start: int, stop: int) -> list[int]:
+        """Dataset indices at positions ``[start, stop)`` of this epoch's order."""
+        if not self.shuffle:
+            return list(range(start, stop))
+        return self._current_order()[start:stop].tolist()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices(0, self.num_samples))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def _dataset_length(data_source: object) -> int:
+    if isinstance(data_source, bool):
+        raise ValueError(f"`data_source` must be a sized dataset or an int, got {data_source!r}")
+    if isinstance(data_source, int):
+        if data_source < 1:
+            raise ValueError(f"`data_source` as a number of samples must be >= 1, got {data_source}")
+        return data_source
+    if isinstance(data_source, IterableDataset):
+        raise ValueError(
+            f"`data_source` is an iterable-style dataset ({type(data_source).__name__}); per-rank batch"
+            " sizes need a map-style dataset with __len__ and __getitem__ (torch.utils.data.Dataset)."
+        )
+    if not isinstance(data_source, Sized):
+        raise ValueError(
+            f"`data_source` must be a sized dataset (with __len__) or an int, got {type(data_source).__name__}"
+        )
+    length = len(data_source)
+    if length < 1:
+        raise ValueError("`data_source` is empty; it must hold at least one global batch of samples")
+    return length
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(
+                "`rank` and `world_size` were not given and torch.distributed is not initialized;"
+                " pass both, or call torch.distributed.init_process_group first."
+            )
+        rank = dist.get_rank() if rank is None else rank
+        world_size = dist.get_world_size() if world_size is None else world_size
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"`{name}` must be an int, got {value!r}")
+    if world_size < 1:
+        raise ValueError(f"`world_size` must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"`rank` must lie in [0, world_size - 1] = [0, {world_size - 1}], got {rank}")
+    return rank, world_size
+
+
+class HeterogeneousBatchSampler(Sampler[list[int]]):
+    """Yields this rank's batches of a global schedule with one batch size per rank.
+
+    Args:
+        data_source: a map-style dataset (anything with ``__len__``) or the number of samples.
+        batch_sizes: one positive int per rank, the samples each rank takes per step.
+        rank: this process's rank; read from ``torch.distributed`` when omitted.
+        world_size: the number of ranks; read from ``torch.distributed`` when omitted.
+        shuffle: draw a new order every epoch (seeded with ``seed + epoch``); else dataset order.
+        seed: base seed of the epoch order; must be the same on all ranks.
+        drop_last: skip the fewer than ``sum(batch_sizes)`` samples left at the end of an epoch
+            instead of spreading them over a final step (see :mod:`lightning_dynamix.data.schedule`).
+
+    Steps are counted within an epoch from 0, like Lightning's ``batch_idx``. Call
+    :meth:`set_epoch` between epochs (Lightning does it through ``sampler.set_epoch``); a new
+    epoch starts with the latest sizes. Every rank must make the same calls with the same
+    arguments, in the same order relative to the steps it has produced.
+
+    Raises:
+        ValueError: on sizes that are not positive ints, a count of sizes other than the world
+            size, an iterable-style or empty dataset, or a dataset smaller than one global batch.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        batch_sizes: Sequence[int],
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        num_samples = _dataset_length(data_source)
+        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        if num_samples < sum(sizes):
+            raise ValueError(
+                f"`data_source` has {num_samples} samples, fewer than one global batch: `batch_sizes`"
+                f" {list(sizes)} sum to {sum(sizes)}. Use smaller batch sizes or a larger dataset."
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`seed` must be an int, got {seed!r}")
+        self.num_samples = num_samples
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.sampler = EpochPermutation(
+            num_samples, shuffle=self.shuffle, seed=seed, on_epoch_change=self._on_permutation_epoch
+        )
+        self._schedule = EpochSchedule(num_samples, sizes, drop_last=self.drop_last)
+        self._schedule_epoch = 0
+        self._next_epoch_sizes: BatchSizes | None = None
+        self._pass_start = 0  # first step of the current pass over the schedule
+        self._produced = 0  # the next step this sampler will produce
+        self._consumed = 0  # batches of this pass handed to training (counted by the DataLoader)
+        self._pass_started = False
+        self._counts_consumption = False
+        self._schedule_version = 0
+        self.on_schedule_change: Callable[[], None] | None = None
+        """Called after every change of the current epoch's schedule (and so possibly of ``len``)."""
+
+    # ------------------------------------------------------------------ schedule
+    def _sync_epoch(self) -> None:
+        if self.sampler.epoch != self._schedule_epoch:
+            self._schedule_epoch = self.sampler.epoch
+            self._new_schedule()
+
+    def _on_permutation_epoch(self, epoch: int) -> None:
+        self._sync_epoch()
+
+    def _new_schedule(self) -> None:
+        sizes = self._next_epoch_sizes or self._schedule.latest_batch_sizes
+        self._schedule = EpochSchedule(self.num_samples, sizes, drop_last=self.drop_last)
+        self._next_epoch_sizes = None
+        self._pass_start = self._produced = self._consumed = 0
+        self._pass_started = False
+        self._schedule_changed()
+
+    def _schedule_changed(self) -> None:
+        self._schedule_version += 1
+        if self.on_schedule_change is not None:
+            self.on_schedule_change()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch whose order and schedule this sampler follows."""
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch``: a new order, and a schedule that starts with the latest sizes."""
+        self.sampler.set_epoch(epoch)
+        self._sync_epoch()
+
+    @property
+    def batch_sizes(self) -> BatchSizes:
+        """The latest sizes set: what new steps and the next epoch use."""
+        self._sync_epoch()
+        return self._next_epoch_sizes or self._schedule.latest_batch_sizes
+
+    @property
+    def next_step(self) -> int:
+        """The first step of this epoch not yet produced: the earliest a size change can apply."""
+        self._sync_epoch()
+        return self._produced
+
+    @property
+    def schedule_version(self) -> int:
+        """A counter that changes whenever this epoch's schedule (and so ``len``) may change."""
+        return self._schedule_version
+
+    @property
+    def schedule(self) -> EpochSchedule:
+        """The current epoch's schedule (read-only use; change it with :meth:`set_batch_sizes`)."""
+        self._sync_epoch()
+        return self._schedule
+
+    def batch_sizes_at(self, step: int) -> BatchSizes:
+        """Every rank's real batch size at ``step`` of the current epoch (the final step included)."""
+        return self.schedule.batch_sizes_at(step)
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int:
+        """Use ``batch_sizes`` from ``from_step`` of the current epoch on.
+
+        Args:
+            batch_sizes: one positive int per rank; their sum must not exceed the dataset.
+            from_step: the first step to use them; default :attr:`next_step`, the first step not
+                yet produced. Steps already produced (prefetched by DataLoader workers, say) keep
+                their sizes. A step at or past the end of the epoch means: from the next epoch.
+
+        Returns:
+            The step from which the sizes apply; ``len(self)`` when from the next epoch.
+
+        A later call replaces any change scheduled at or after its own ``from_step``.
+        """
+        self._sync_epoch()
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        if sum(sizes) > self.num_samples:
+            raise ValueError(
+                f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}, more than the {self.num_samples}"
+                " samples of the dataset; the global batch must fit in the dataset."
+            )
+        step = self._produced if from_step is None else from_step
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ValueError(f"`from_step` must be an int or None, got {from_step!r}")
+        if step < self._produced:
+            raise ValueError(
+                f"`from_step`={step} was already produced: steps before {self._produced} are fixed."
+                " Pass from_step=None for the first step that can still change."
+            )
+        if self._schedule.change(step, sizes):
+            self._next_epoch_sizes = None
+            applied = step
+        else:
+            self._next_epoch_sizes = sizes
+            applied = len(self._schedule)
+        self._schedule_changed()
+        return applied
+
+    # ------------------------------------------------------------------ iteration
+    def __len__(self) -> int:
+        """The number of steps of the current epoch under the current schedule."""
+        return len(self.schedule)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self._sync_epoch()
+        if self._pass_started:
+            self._new_schedule()  # a second pass over the same epoch starts afresh
+        self._consumed = 0
+        return self._generate()
+
+    def _generate(self) -> Iterator[list[int]]:
+        self._sync_epoch()  # set_epoch may have been called between iter() and the first batch
+        self._pass_started = True
+        schedule = self._schedule
+        step = self._pass_start
+        while step < len(schedule):
+            if self._schedule is not schedule or self.sampler.epoch != self._schedule_epoch:
+                raise RuntimeError(
+                    f"the epoch changed (set_epoch({self.sampler.epoch})) while an iterator over epoch"
+                    f" {self._schedule_epoch} was still producing batches; create a new iterator after set_epoch"
+                    " so that no batch of the old epoch is mixed into the new one."
+                )
+            cursor, sizes = schedule.step_at(step)
+            start = cursor + sum(sizes[: self.rank])
+            self._produced = step + 1
+            yield self.sampler.indices(start, start + sizes[self.rank])
+            step += 1
+
+    def _consume(self) -> int:
+        """Count one batch of the current pass as handed to training; return its step."""
+        step = self._pass_start + self._consumed
+        self._consumed += 1
+        return step
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """Everything needed to resume the current epoch exactly.
+
+        Args:
+            step: the number of this epoch's steps already trained on, where a resumed run
+                continues. Default: the batches handed out by a :class:`HeterogeneousDataLoader`
+                over this sampler, else the batches this sampler produced (equal when it is
+                iterated directly or by a DataLoader with ``num_workers=0``).
+        """
+        self._sync_epoch()
+        if step is None:
+            step = self._pass_start + self._consumed if self._counts_consumption else self._produced
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= self._produced:
+            raise ValueError(f"`step` must lie in [0, {self._produced}] (steps produced), got {step}")
+        return {
+            "version": _STATE_VERSION,
+            "num_samples": self.num_samples,
+            "world_size": self.world_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+            "drop_last": self.drop_last,
+            "epoch": self.epoch,
+            "segments": [[start, list(sizes)] for start, sizes in self._schedule.segments],
+            "next_epoch_batch_sizes": None if self._next_epoch_sizes is None else list(self._next_epoch_sizes),
+            "step": step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next pass continues at the saved step.
+
+        A state saved after the last step of its epoch resumes at the start of the next epoch
+        (epoch + 1, with the latest sizes), so that an iterator created before the training loop
+        sets the new epoch already yields the new epoch's batches.
+
+        Raises:
+            ValueError: when the state comes from another format version or another dataset
+                size, world size, shuffle, seed or drop_last (the schedule would differ).
+        """
+        if state_dict.get("version") != _STATE_VERSION:
+            raise ValueError(
+                f"sampler state has format version {state_dict.get('version')!r}; this version of"
+                f" lightning-dynamix reads version {_STATE_VERSION}"
+            )
+        for key in ("num_samples", "world_size", "shuffle", "seed", "drop_last"):
+            if state_dict[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot resume: the saved sampler has {key}={state_dict[key]!r} but this one has"
+                    f" {key}={getattr(self, key)!r}; the schedule and sample order would differ."
+                )
+        schedule = EpochSchedule.from_segments(
+            self.num_samples, [(s, tuple(b)) for s, b in state_dict["segments"]], drop_last=self.drop_last
+        )
+        step = int(state_dict["step"])
+        if not 0 <= step <= len(schedule):
+            raise ValueError(f"saved step {step} lies outside the saved epoch's {len(schedule)} steps")
+        self.sampler.set_epoch(int(state_dict["epoch"]))
+        self._schedule = schedule
+        self._schedule_epoch = self.sampler.epoch
+        next_sizes = state_dict["next_epoch_batch_sizes"]
+        self._next_epoch_sizes = None if next_sizes is None else tuple(next_sizes)
+        self._pass_start = self._produced = step
+        self._consumed = 0
+        self._pass_started = False
+        self._schedule_changed()
+        if step == len(schedule):
+            self.set_epoch(self.epoch + 1)

@@ -1,0 +1,227 @@
+"""How one epoch of a dataset is cut into global steps of per-rank batches.
+
+An :class:`EpochSchedule` is pure arithmetic over sample counts: it knows nothing of indices,
+ranks' data or torch. Every rank builds the same schedule from the same inputs, so all ranks
+agree on the number of steps in an epoch and on every rank's batch size at every step.
+
+Step ``k`` takes the next ``sum(b)`` positions of the epoch's global order; rank ``r`` gets
+its slice in rank order. The last step of an epoch is special:
+
+* ``drop_last=False`` (default): nothing is lost. While at least ``sum(b) + world_size``
+  samples remain, a step takes exactly ``b``. The step that would leave fewer than
+  ``world_size`` samples behind is the last one and takes everything that is left, ``R``:
+
+  - ``R >= sum(b)`` (fewer than ``world_size`` extra samples): every rank gets ``b_r`` and the
+    ``R - sum(b)`` extra samples go one each to the ranks with the largest batch sizes (ties to
+    the lower rank). No rank gets more than one sample above its size.
+  - ``world_size <= R < sum(b)`` (a short tail): every rank gets one sample and the rest is split
+    in proportion to ``b_r - 1`` by largest remainders. No rank gets more than ``b_r``.
+
+  So every rank gets at least one sample at every step and every sample is used exactly once.
+* ``drop_last=True``: only full steps; the fewer than ``sum(b)`` samples left at the end of an
+  epoch are skipped in that epoch.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BatchSizes = tuple[int, ...]
+
+
+def validate_batch_sizes(
+    batch_sizes: object,
+    *,
+    world_size: int | None = None,
+    argument: str = "batch_sizes",
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+) -> BatchSizes:
+    """Check per-rank batch sizes and return them as a tuple of ints.
+
+    Raises:
+        ValueError: naming ``argument``, the value and what is valid, when the sizes are not a
+            sequence of positive ints, their count is not ``world_size`` or a size lies outside
+            ``[min_batch_size, max_batch_size]``.
+    """
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
+        raise ValueError(f"`{argument}` must be a list with one positive int per rank, got {batch_sizes!r}.")
+    sizes = tuple(batch_sizes)
+    if not sizes:
+        raise ValueError(f"`{argument}` must hold one positive int per rank, got an empty list.")
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+    if bad:
+        raise ValueError(
+            f"`{argument}` must hold positive ints (samples per rank per step), got {list(sizes)!r}:"
+            f" {bad[0]!r} is not a positive int."
+        )
+    if world_size is not None and len(sizes) != world_size:
+        raise ValueError(
+            f"`{argument}` must hold one size per rank: the world size is {world_size},"
+            f" got {len(sizes)} sizes {list(sizes)!r}."
+        )
+    out_of_bounds = [s for s in sizes if s < min_batch_size or (max_batch_size is not None and s > max_batch_size)]
+    if out_of_bounds:
+        upper = "inf" if max_batch_size is None else str(max_batch_size)
+        raise ValueError(
+            f"`{argument}` must lie within [min_batch_size, max_batch_size] = [{min_batch_size}, {upper}],"
+            f" got {list(sizes)!r}."
+        )
+    return sizes
+
+
+def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
+    """Per-rank sizes of the last step of an epoch that takes all ``remaining`` samples.
+
+    ``remaining`` must satisfy ``world_size <= remaining < sum(batch_sizes) + world_size``.
+    """
+    world_size = len(batch_sizes)
+    total = sum(batch_sizes)
+    if not world_size <= remaining < total + world_size:
+        raise ValueError(
+            f"a final step must hold between {world_size} and {total + world_size - 1} samples, got {remaining}"
+        )
+    if remaining >= total:
+        extra = remaining - total
+        # one extra sample each to the ranks with the largest sizes, lower rank first on ties
+        order = sorted(range(world_size), key=lambda r: (-batch_sizes[r], r))
+        sizes = list(batch_sizes)
+        for r in order[:extra]:
+            sizes[r] += 1
+        return tuple(sizes)
+    # a short tail: one sample each, the rest in proportion to b_r - 1 (so no rank exceeds b_r)
+    rest = remaining - world_size
+    weights = [b - 1 for b in batch_sizes]
+    weight_sum = total - world_size  # > 0 here, since remaining < total
+    shares = [rest * w // weight_sum for w in weights]
+    fractions = [rest * w % weight_sum for w in weights]
+    leftover = rest - sum(shares)
+    order = sorted(range(world_size), key=lambda r: (-fractions[r], r))
+    for r in order[:leftover]:
+        shares[r] += 1
+    return tuple(1 + s for s in shares)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Steps from ``start_step`` on use ``batch_sizes``; step ``start_step`` begins at ``start_cursor``."""
+
+    start_step: int
+    batch_sizes: BatchSizes
+    total: int
+    start_cursor: int
+
+
+class EpochSchedule:
+    """The global cut of one epoch of ``num_samples`` samples into steps of per-rank batches.
+
+    Sizes can change from any step that has not been handed out yet (:meth:`change`); steps
+    before it keep their sizes and positions. All queries are O(log number of changes).
+    """
+
+    def __init__(self, num_samples: int, batch_sizes: BatchSizes, *, drop_last: bool = False) -> None:
+        sizes = validate_batch_sizes(batch_sizes)
+        if num_samples < sum(sizes):
+            raise ValueError(
+                f"the dataset ({num_samples} samples) is smaller than one global batch"
+                f" (sum of batch_sizes {list(sizes)} = {sum(sizes)}); use smaller batch sizes or more data."
+            )
+        self.num_samples = num_samples
+        self.world_size = len(sizes)
+        self.drop_last = drop_last
+        self._segments: list[_Segment] = [_Segment(0, sizes, sum(sizes), 0)]
+        self._starts: list[int] = [0]
+        self._length: int | None = None
+
+    @classmethod
+    def from_segments(
+        cls, num_samples: int, segments: Sequence[tuple[int, Sequence[int]]], *, drop_last: bool = False
+    ) -> EpochSchedule:
+        """Rebuild a schedule from its :attr:`segments` (as saved in a state dict)."""
+        if not segments or segments[0][0] != 0:
+            raise ValueError(f"a schedule's segments must start at step 0, got {list(segments)!r}")
+        schedule = cls(num_samples, tuple(segments[0][1]), drop_last=drop_last)
+        for start, sizes in segments[1:]:
+            if not schedule.change(int(start), tuple(sizes)):
+                raise ValueError(f"a size change at step {start} lies past the end of the epoch")
+        return schedule
+
+    @property
+    def segments(self) -> list[tuple[int, BatchSizes]]:
+        """``(start_step, batch_sizes)`` of every size change in this epoch, the first at step 0."""
+        return [(s.start_step, s.batch_sizes) for s in self._segments]
+
+    @property
+    def latest_batch_sizes(self) -> BatchSizes:
+        """The sizes of the last change: what the following epoch starts with."""
+        return self._segments[-1].batch_sizes
+
+    def __len__(self) -> int:
+        if self._length is None:
+            self._length = self._compute_length()
+        return self._length
+
+    def _full_steps(self, cursor: int, total: int) -> int:
+        """How many steps of ``total`` samples fit from ``cursor`` before the epoch's last step."""
+        left = self.num_samples - cursor
+        if self.drop_last:
+            return left // total
+        # a full step must leave at least world_size samples for the final step
+        return max(0, (left - self.world_size) // total)
+
+    def _compute_length(self) -> int:
+        for i, seg in enumerate(self._segments):
+            full = self._full_steps(seg.start_cursor, seg.total)
+            if i + 1 < len(self._segments) and self._segments[i + 1].start_step <= seg.start_step + full:
+                continue  # the next change begins before this segment runs out of data
+            return seg.start_step + full + (0 if self.drop_last else 1)
+        raise AssertionError("unreachable: the last segment always ends the epoch")
+
+    def _locate(self, step: int) -> tuple[_Segment, int]:
+        if not 0 <= step < len(self):
+            raise IndexError(f"step {step} is outside this epoch's {len(self)} steps")
+        seg = self._segments[bisect.bisect_right(self._starts, step) - 1]
+        return seg, seg.start_cursor + (step - seg.start_step) * seg.total
+
+    def cursor_at(self, step: int) -> int:
+        """Position in the epoch's global order where ``step`` begins (samples before it)."""
+        return self._locate(step)[1]
+
+    def batch_sizes_at(self, step: int) -> BatchSizes:
+        """Every rank's real batch size at ``step``, the epoch's final step included."""
+        return self.step_at(step)[1]
+
+    def step_at(self, step: int) -> tuple[int, BatchSizes]:
+        """``(cursor, batch_sizes)`` of ``step``: where it begins and every rank's size."""
+        seg, cursor = self._locate(step)
+        remaining = self.num_samples - cursor
+        if self.drop_last or remaining >= seg.total + self.world_size:
+            return cursor, seg.batch_sizes
+        return cursor, final_step_sizes(seg.batch_sizes, remaining)
+
+    def change(self, from_step: int, batch_sizes: BatchSizes) -> bool:
+        """Use ``batch_sizes`` from ``from_step`` on; later changes already scheduled are dropped.
+
+        Returns False, changing nothing, when ``from_step`` is at or past the end of this epoch.
+        """
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        if from_step < 0:
+            raise ValueError(f"`from_step` must be >= 0, got {from_step}")
+        if sum(sizes) > self.num_samples:
+            raise ValueError(
+                f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}, more than the dataset's"
+                f" {self.num_samples} samples; the global batch must fit in the dataset."
+            )
+        if from_step >= len(self):
+            return False
+        cursor = self.cursor_at(from_step)
+        keep = bisect.bisect_left(self._starts, from_step)
+        del self._segments[keep:]
+        del self._starts[keep:]
+        if not self._segments or self._segments[-1].batch_sizes != sizes:
+            self._segments.append(_Segment(from_step, sizes, sum(sizes), cursor))
+            self._starts.append(from_step)
+        self._length = None
+        return True

@@ -1,0 +1,470 @@
+"""Lightning DDP where every rank trains on its own batch size, with exact gradients.
+
+:class:`HeterogeneousDDPStrategy` is Lightning's ``DDPStrategy`` plus three things:
+
+* the training DataLoader is rebuilt around a
+  :class:`~lightning_dynamix.data.HeterogeneousBatchSampler` (same dataset, collate function,
+  workers and pinning), so ranks take different batch sizes from one global schedule and always
+  agree on the number of steps;
+* a weighted all-reduce communication hook (registered on every device type, CPU/gloo included)
+  makes the synchronised gradient exactly the mean over the global batch, with gradient
+  accumulation counting every sample since the last synchronisation;
+* :meth:`~HeterogeneousDDPStrategy.set_batch_sizes` changes the sizes from an agreed step on all
+  ranks, which callbacks use to rebalance a heterogeneous cluster.
+
+Scalars logged with ``self.log(..., sync_dist=True)`` from ``training_step`` are averaged over
+ranks weighted by each rank's batch size; epoch aggregates are weighted by Lightning itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
+from typing_extensions import override
+
+from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
+from lightning_dynamix.data.schedule import BatchSizes
+from lightning_dynamix.distributed import (
+    LossReduction,
+    SyncWindowWeighting,
+    WeightedAllReduceState,
+    gather_ints,
+    validate_loss_reduction,
+    weighted_allreduce_hook,
+    weighted_mean_all_reduce,
+)
+
+STRATEGY_NAME = "heterogeneous_ddp"
+_PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+_UNSUPPORTED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "model_averaging_period")
+
+
+def _is_mean(reduce_op: object) -> bool:
+    if isinstance(reduce_op, str):
+        return reduce_op.lower() in ("mean", "avg")
+    return reduce_op == dist.ReduceOp.AVG
+
+
+class HeterogeneousDDPStrategy(DDPStrategy):
+    """DDP with a batch size per rank that can change at any step, and exact gradients.
+
+    Args:
+        batch_sizes: one initial batch size per rank; default: the training DataLoader's
+            ``batch_size`` on every rank.
+        min_batch_size: the smallest size any rank may be given.
+        max_batch_size: the largest size any rank may be given; ``None`` for no limit. (The last
+            step of an epoch may give a rank one sample more; see
+            :mod:`lightning_dynamix.data.schedule`.)
+        loss_reduction: ``"mean"`` if the training loss averages over the rank's samples (the
+            usual case), ``"sum"`` if it sums over them. The synchronised gradient then equals the
+            gradient of the same loss computed by one process on the whole global batch.
+        shuffle: reshuffle the training data every epoch (seeded with ``seed + epoch``).
+        seed: seed of the training order; the same on every rank.
+        drop_last: skip the incomplete last step of each epoch instead of spreading the
+            remaining samples over the ranks (also on when the DataLoader has ``drop_last=True``).
+        **ddp_kwargs: any other ``DDPStrategy`` argument (``process_group_backend``, ``timeout``,
+            ``start_method``, ``ddp_comm_wrapper``, ``find_unused_parameters``...), except a
+            custom ``ddp_comm_hook``/``ddp_comm_state`` or post-local-SGD averaging: this strategy
+            owns the communication hook.
+
+    Raises:
+        ValueError: at construction, for sizes that are not positive ints or lie outside
+            ``[min_batch_size, max_batch_size]``, bad bounds, an unknown ``loss_reduction`` or an
+            unsupported DDP argument.
+        MisconfigurationException: at set-up, for a number of sizes other than the world size,
+            an iterable-style dataset, a dataset smaller than one global batch, a custom sampler
+            or batch sampler, or more than one training DataLoader.
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        batch_sizes: Sequence[int] | None = None,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        loss_reduction: LossReduction = "mean",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        for name in _UNSUPPORTED_DDP_ARGUMENTS:
+            if ddp_kwargs.get(name) is not None:
+                raise ValueError(
+                    f"`{name}` is not supported by HeterogeneousDDPStrategy, which registers its own"
+                    " weighted all-reduce hook; wrap it with `ddp_comm_wrapper` (e.g. fp16 compression)"
+                    f" instead, or use Lightning's DDPStrategy. Got {name}={ddp_kwargs[name]!r}."
+                )
+        if isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int) or min_batch_size < 1:
+            raise ValueError(f"`min_batch_size` must be an int >= 1, got {min_batch_size!r}")
+        if max_batch_size is not None and (
+            isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < min_batch_size
+        ):
+            raise ValueError(
+                f"`max_batch_size` must be None or an int >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`seed` must be an int, got {seed!r}")
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self._batch_sizes: BatchSizes | None = None
+        if batch_sizes is not None:
+            self._batch_sizes = self._validate_sizes(batch_sizes, world_size=None)
+        self.loss_reduction: LossReduction = validate_loss_reduction(loss_reduction)
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        super().__init__(**ddp_kwargs)
+        self._hook_state = WeightedAllReduceState()
+        self._weighting: SyncWindowWeighting | None = None
+        self._train_loader: HeterogeneousDataLoader | None = None
+        self._synced_schedule_version = -1
+        self._in_training_step = False
+        self._loader_state_to_load: dict[str, Any] | None = None
+
+    def _validate_sizes(self, batch_sizes: object, world_size: int | None) -> BatchSizes:
+        return validate_batch_sizes(
+            batch_sizes,
+            world_size=world_size,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+        )
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def batch_sizes(self) -> BatchSizes | None:
+        """The latest per-rank sizes set (what new steps use); ``None`` until known."""
+        if self._train_loader is not None:
+            return self._train_loader.batch_sampler.batch_sizes
+        return self._batch_sizes
+
+    @property
+    def current_batch_sizes(self) -> BatchSizes | None:
+        """Every rank's real size in the batch being trained now; ``None`` outside training."""
+        loader = self._train_loader
+        if loader is None or loader.current_step < 0:
+            return None
+        return loader.current_batch_sizes
+
+    @property
+    def train_batch_sampler(self) -> HeterogeneousBatchSampler | None:
+        """The sampler of the training DataLoader; ``None`` before training starts."""
+        return None if self._train_loader is None else self._train_loader.batch_sampler
+
+    def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int | None:
+        """Give each rank a new batch size from an agreed step of the current epoch on.
+
+        A collective while training: call it on every rank with the same arguments. It checks
+        that all ranks agree and, for ``from_step=None``, applies the sizes from the first step
+        that no rank has produced yet (DataLoader workers prefetch, so that can be a few steps
+        after the one being trained). Before training starts it only sets the initial sizes.
+
+        Args:
+            batch_sizes: one size per rank within ``[min_batch_size, max_batch_size]``.
+            from_step: step of the current epoch to apply them from; one that is at or past the
+                end of the epoch means from the start of the next epoch.
+
+        Returns:
+            The step they apply from (the epoch's length when from the next epoch), or ``None``
+            before training has started.
+
+        Raises:
+            ValueError: for invalid sizes, a step already produced, or ranks that disagree.
+        """
+        sizes = self._validate_sizes(batch_sizes, world_size=self.world_size if self._train_loader else None)
+        if from_step is not None and (isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0):
+            raise ValueError(f"`from_step` must be None or an int >= 0, got {from_step!r}")
+        loader = self._train_loader
+        if loader is None:
+            self._batch_sizes = sizes
+            return None
+        sampler = loader.batch_sampler
+        step = from_step
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            local = [sampler.next_step, -1 if from_step is None else from_step, *sizes]
+            rows = gather_ints(local, device=self.root_device)
+            if any(row[1:] != rows[0][1:] for row in rows):
+                raise ValueError(
+                    "set_batch_sizes() was called with different arguments on different ranks"
+                    f" (from_step and sizes per rank: {[row[1:] for row in rows]}); every rank must pass"
+                    " the same values, e.g. a decision broadcast from rank 0."
+                )
+            produced = max(row[0] for row in rows)
+            if from_step is None:
+                step = produced
+            elif from_step < produced:
+                raise ValueError(
+                    f"`from_step`={from_step} was already produced on some rank (steps before {produced}"
+                    " are fixed); pass from_step=None for the first step that can still change."
+                )
+        return sampler.set_batch_sizes(sizes, step)  # notifies _sync_trainer_epoch_length
+
+    # ------------------------------------------------------------------ DDP set-up
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
+        self._weighting = SyncWindowWeighting(self.global_rank, self.loss_reduction)
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning's DDPStrategy registers hooks on CUDA only; the weights must apply everywhere
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = weighted_allreduce_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._hook_state, hook=hook)
+
+    # ------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        self._train_loader = self._heterogeneous_loader(dataloader)
+        sampler = self._train_loader.batch_sampler
+        self._synced_schedule_version = sampler.schedule_version
+        # keep Lightning's epoch length right whenever sizes or the epoch change
+        sampler.on_schedule_change = self._sync_trainer_epoch_length
+        return self._train_loader
+
+    def _heterogeneous_loader(self, dataloader: object) -> HeterogeneousDataLoader:
+        if not isinstance(dataloader, DataLoader):
+            raise MisconfigurationException(
+                "HeterogeneousDDPStrategy needs the training data as a torch DataLoader over a map-style"
+                f" dataset, got {type(dataloader).__name__}."
+            )
+        dataset = dataloader.dataset
+        if isinstance(dataset, IterableDataset):
+            raise MisconfigurationException(
+                f"The training dataset is iterable-style ({type(dataset).__name__}); HeterogeneousDDPStrategy"
+                " needs a map-style dataset (with __len__ and __getitem__) to give ranks different batch sizes."
+            )
+        existing = dataloader.batch_sampler
+        if isinstance(existing, HeterogeneousBatchSampler):
+            if (existing.rank, existing.world_size) != (self.global_rank, self.world_size):
+                raise MisconfigurationException(
+                    f"The training DataLoader's HeterogeneousBatchSampler is for rank {existing.rank} of"
+                    f" {existing.world_size}, but this process is rank {self.global_rank} of {self.world_size}."
+                )
+            sampler = existing
+        else:
+            sampler = self._new_sampler(dataloader)
+        # the epoch about to run: DataLoader workers start prefetching before Lightning sets it
+        sampler.set_epoch(self.lightning_module.trainer.current_epoch)
+        if self._loader_state_to_load is not None:
+            sampler.load_state_dict(self._loader_state_to_load)
+            self._loader_state_to_load = None
+        if isinstance(dataloader, HeterogeneousDataLoader) and dataloader.batch_sampler is sampler:
+            return dataloader
+        kwargs: dict[str, Any] = {
+            "num_workers": dataloader.num_workers,
+            "collate_fn": dataloader.collate_fn,
+            "pin_memory": dataloader.pin_memory,
+            "timeout": dataloader.timeout,
+            "worker_init_fn": dataloader.worker_init_fn,
+            "multiprocessing_context": dataloader.multiprocessing_context,
+            "generator": dataloader.generator,
+            "persistent_workers": dataloader.persistent_workers,
+            "pin_memory_device": dataloader.pin_memory_device,
+        }
+        if dataloader.num_workers > 0:
+            kwargs["prefetch_factor"] = dataloader.prefetch_factor
+        if hasattr(dataloader, "in_order"):
+            kwargs["in_order"] = dataloader.in_order
+        return HeterogeneousDataLoader(dataset, batch_sampler=sampler, **kwargs)
+
+    def _new_sampler(self, dataloader: DataLoader) -> HeterogeneousBatchSampler:
+        if type(dataloader) is not DataLoader:
+            raise MisconfigurationException(
+                f"The training DataLoader is a {type(dataloader).__name__}; HeterogeneousDDPStrategy rebuilds"
+                " plain torch DataLoaders only. Use torch.utils.data.DataLoader, or pass a"
+                " HeterogeneousDataLoader yourself."
+            )
+        if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in _PLAIN_SAMPLERS:
+            raise MisconfigurationException(
+                "The training DataLoader has a custom sampler or batch sampler"
+                f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__})."
+                " HeterogeneousDDPStrategy draws training batches from one global shuffled order and would"
+                " discard it. Use DataLoader(dataset, batch_size=...) or pass a HeterogeneousBatchSampler."
+            )
+        sizes: object = self.batch_sizes
+        argument = "batch_sizes"
+        if sizes is None:
+            if dataloader.batch_size is None:
+                raise MisconfigurationException(
+                    "Pass `batch_sizes` to HeterogeneousDDPStrategy or give the training DataLoader a batch_size."
+                )
+            sizes = [dataloader.batch_size] * self.world_size
+            argument = "DataLoader(batch_size) on every rank"
+        try:
+            sizes = validate_batch_sizes(
+                sizes,
+                world_size=self.world_size,
+                argument=argument,
+                min_batch_size=self.min_batch_size,
+                max_batch_size=self.max_batch_size,
+            )
+        except ValueError as err:
+            raise MisconfigurationException(str(err)) from err
+        num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
+        if num_samples < sum(sizes):
+            raise MisconfigurationException(
+                f"The training dataset has {num_samples} samples, fewer than one global batch:"
+                f" batch_sizes {list(sizes)} sum to {sum(sizes)}. Use smaller batch sizes or more data."
+            )
+        sampler = HeterogeneousBatchSampler(
+            num_samples,
+            sizes,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last or dataloader.drop_last,
+        )
+        return sampler
+
+    def _sync_trainer_epoch_length(self, at_batch_start: bool = False) -> None:
+        """Tell Lightning's fit loop how many batches the current epoch now has.
+
+        Called by the sampler on every schedule change (a resize, a new epoch) and, as a safety
+        net, at a batch's start when the schedule changed unnoticed.
+        """
+        loader = self._train_loader
+        module = self.lightning_module
+        if loader is None or module is None:
+            return
+        trainer = module.trainer
+        fit_loop = trainer.fit_loop
+        combined = fit_loop._combined_loader
+        self._synced_schedule_version = loader.batch_sampler.schedule_version
+        if combined is None or not any(dl is loader for dl in combined.flattened):
+            return
+        num_batches = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
+        combined.limits = [num_batches]
+        fit_loop.max_batches = num_batches
+        fetcher = fit_loop._data_fetcher
+        if fetcher is not None and fetcher.length is not None:
+            fetcher.length = int(num_batches)
+            fetcher.done = fetcher.fetched >= fetcher.length
+            if at_batch_start:
+                fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+        if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(trainer.val_check_interval, float):
+            trainer.val_check_batch = max(1, int(num_batches * trainer.val_check_interval))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        # Lightning restores a resumable DataLoader only when it restarts mid-epoch; the sizes and
+        # schedule decided before an end-of-epoch checkpoint must survive as well
+        loader_states = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if loader_states and fitting:
+            self._loader_state_to_load = loader_states[0]
+        return checkpoint
+
+    # ------------------------------------------------------------------ per-step hooks
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        combined = self.lightning_module.trainer.fit_loop._combined_loader
+        if combined is not None and len(combined.flattened) != 1:
+            raise MisconfigurationException(
+                f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(combined.flattened)};"
+                " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
+            )
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        loader = self._train_loader
+        if loader is not None and loader.batch_sampler.schedule_version != self._synced_schedule_version:
+            self._sync_trainer_epoch_length(at_batch_start=True)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_training_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        finally:
+            self._in_training_step = False
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        syncing = False
+        loader = self._train_loader
+        module = self.lightning_module
+        if (
+            self._weighting is not None
+            and loader is not None
+            and module is not None
+            and module.trainer.training
+            and isinstance(self.model, DistributedDataParallel)
+        ):
+            if loader.current_step < 0:
+                raise RuntimeError(
+                    "backward() was called before the training DataLoader handed out a batch; the gradient"
+                    " weights come from the batch being trained."
+                )
+            loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
+            factor = self._weighting.add_backward(loader.current_step, loader.current_batch_sizes, loss_scale)
+            if factor != 1.0:
+                closure_loss.register_hook(lambda grad: grad * factor)
+            syncing = self.model.require_backward_grad_sync
+            if syncing:
+                self._hook_state.weight = self._weighting.sync_weight()
+        output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if syncing:
+            assert self._weighting is not None
+            self._weighting.reset()
+        return output
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
+        loader = self._train_loader
+        if (
+            self._in_training_step
+            and group is None
+            and isinstance(tensor, Tensor)
+            and _is_mean(reduce_op)
+            and loader is not None
+            and loader.current_step >= 0
+            and dist.is_available()
+            and dist.is_initialized()
+        ):
+            sizes = loader.current_batch_sizes
+            return weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes))
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+
+    # ------------------------------------------------------------------ registry
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if STRATEGY_NAME not in strategy_registry:
+            strategy_registry.register(
+                STRATEGY_NAME,
+                cls,
+                description="DDP with a batch size per rank, changeable at any step, and exactly weighted gradients",
+            )
+
+
+HeterogeneousDDPStrategy.register_strategies(StrategyRegistry)

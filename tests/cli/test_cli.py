@@ -1,0 +1,71 @@
+"""The ``dynamix`` command and the LightningCLI example, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.distributed
+
+
+def run(args: list[str], cwd: Path, timeout: float = 300) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def dynamix(*args: str, cwd: Path) -> str:
+    return run([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
+
+
+def test_demo_prints_per_rank_sizes_steps_and_throughput(tmp_path):
+    output = dynamix("demo", "--batch-sizes", "8,24", "--max-steps", "20", cwd=tmp_path)
+    rows = re.findall(r"^\s+(\d)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+([\d.]+)$", output, flags=re.MULTILINE)
+    assert [(rank, size) for rank, size, *_ in rows] == [("0", "8"), ("1", "24")]
+    assert rows[0][2] == rows[1][2]  # the same number of steps on both ranks
+    for _, size, steps, samples, _ in rows:
+        assert int(samples) == int(size) * int(steps)
+    assert "global batch 32, 20 optimizer steps" in output
+    assert (tmp_path / "dynamix_runs" / "demo" / "version_0" / "metrics.csv").exists()
+
+
+def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
+    out = tmp_path / "overhead.json"
+    dynamix(
+        "bench", "overhead", "--rounds", "2", "--steps", "5", "--warmup", "2",
+        "--features", "8", "--hidden", "16", "--batch-size", "4", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert len(result["ratios"]) == 2
+    assert result["median_ratio"] > 0
+    assert result["machine"]["cpus"] == os.cpu_count()
+
+
+@pytest.mark.parametrize(("config", "sizes"), [("class_path.yaml", "(16, 48)"), ("registered_name.yaml", "(32, 32)")])
+def test_lightning_cli_yaml_selects_and_trains_with_the_strategy(tmp_path, config, sizes):
+    output = run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "lightning" / "train.py"),
+            "fit",
+            "--config",
+            str(ROOT / "examples" / "lightning" / config),
+            "--trainer.max_epochs=1",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
+    assert f"trained with HeterogeneousDDPStrategy, per-rank batch sizes {sizes}" in output
+    assert "`Trainer.fit` stopped: `max_epochs=1` reached." in output

@@ -1,0 +1,41 @@
+"""Helpers to run a job script under Lightning's launcher and read what every rank saved."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def run_job(script: str, *args: object, cwd: Path, timeout: float = 300) -> str:
+    """Run ``jobs/<script>`` as ``python script args...`` (rank 0 starts the other ranks)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)  # left by an in-process Trainer: the job must launch its own ranks
+    proc = subprocess.run(
+        [sys.executable, str(JOBS / script), *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"{script} {args} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture
+def job_helpers():
+    sys.path.insert(0, str(JOBS))
+    try:
+        import common
+
+        yield common
+    finally:
+        sys.path.remove(str(JOBS))

@@ -1,0 +1,176 @@
+"""Pieces shared by the multi-process job scripts and the tests that check their results.
+
+A job script runs under Lightning's own launcher (``python job.py`` with ``Trainer(devices=N)``):
+rank 0 starts the other ranks by running the same command. Every rank writes what it saw to
+files; the test compares them with one process training on the concatenated global batches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+NUM_FEATURES, NUM_CLASSES = 4, 3
+
+
+class IndexedDataset(Dataset):
+    """Random float64 classification data that also returns each sample's index."""
+
+    def __init__(self, num_samples: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(num_samples, NUM_FEATURES, generator=generator, dtype=torch.float64)
+        self.y = torch.randint(NUM_CLASSES, (num_samples,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, index: int):
+        return torch.tensor(index), self.x[index], self.y[index]
+
+
+def make_network(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(NUM_FEATURES, 8), nn.Tanh(), nn.Linear(8, NUM_CLASSES)).double()
+
+
+def make_optimizer(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if name == "sgd-small":  # for losses summed over samples
+        return torch.optim.SGD(params, lr=0.005, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=0.01)
+    raise ValueError(name)
+
+
+class Net(LightningModule):
+    """``reduction``: how the training loss combines a batch; ``manual``: manual optimisation."""
+
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        num_samples: int = 150,
+        num_workers: int = 0,
+        seed: int = 0,
+        reduction: str = "mean",
+        manual: bool = False,
+    ):
+        super().__init__()
+        self.net = make_network(seed)
+        self.optimizer_name = optimizer
+        self.num_samples = num_samples
+        self.num_workers = num_workers
+        self.reduction = reduction
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch, batch_idx):
+        _, x, y = batch
+        logits = self.net(x)
+        self.log("probe_loss", F.cross_entropy(logits, y), sync_dist=True, on_step=True, on_epoch=False)
+        loss = F.cross_entropy(logits, y, reduction=self.reduction)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        _, x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return make_optimizer(self.optimizer_name, self.parameters())
+
+    def train_dataloader(self):
+        return DataLoader(
+            IndexedDataset(self.num_samples),
+            batch_size=4,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def val_dataloader(self):
+        return DataLoader(IndexedDataset(40, seed=1), batch_size=8)
+
+
+class Recorder(Callback):
+    """Records, per training batch, the epoch, batch index, sample indices and the synced probe."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int, list[int]]] = []
+        self.probes: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.append((trainer.current_epoch, batch_idx, batch[0].tolist()))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.probes.append(float(trainer.callback_metrics["probe_loss"]))
+
+
+class Resizer(Callback):
+    """Calls ``strategy.set_batch_sizes`` after given (epoch, batch_idx) batches, on every rank.
+
+    A batch index of -1 means the last batch of the epoch.
+    """
+
+    def __init__(self, plan: dict[tuple[int, int], list[int]]) -> None:
+        self.plan = plan
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        sizes = self.plan.get((trainer.current_epoch, batch_idx))
+        if batch_idx == trainer.num_training_batches - 1:
+            sizes = sizes or self.plan.get((trainer.current_epoch, -1))
+        if sizes is not None:
+            trainer.strategy.set_batch_sizes(sizes)
+
+
+def quiet_trainer(**kwargs) -> Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        precision="64-true",
+    )
+    defaults.update(kwargs)
+    return Trainer(**defaults)
+
+
+def reference_training(steps_by_rank, num_samples, optimizer, accumulate, seed=0, reduction="mean"):
+    """One process trains on the concatenated global batches; returns final params and per-step losses.
+
+    ``steps_by_rank[r]`` is rank r's list of (epoch, batch_idx, indices). A window of
+    ``accumulate`` batches (cut short at an epoch's end, as Lightning does) is one optimizer
+    step on the loss (mean or sum) over every sample of the window.
+    """
+    dataset = IndexedDataset(num_samples)
+    network = make_network(seed)
+    opt = make_optimizer(optimizer, network.parameters())
+    world_size = len(steps_by_rank)
+    global_steps = []
+    for k in range(len(steps_by_rank[0])):
+        epoch, batch_idx, _ = steps_by_rank[0][k]
+        assert all(steps_by_rank[r][k][:2] == (epoch, batch_idx) for r in range(world_size))
+        global_steps.append((epoch, batch_idx, [i for r in range(world_size) for i in steps_by_rank[r][k][2]]))
+    epoch_lengths: dict[int, int] = {}
+    for epoch, _, _ in global_steps:
+        epoch_lengths[epoch] = epoch_lengths.get(epoch, 0) + 1
+    probes, window = [], []
+    for epoch, batch_idx, indices in global_steps:
+        idx = torch.tensor(indices)
+        with torch.no_grad():
+            probes.append(float(F.cross_entropy(network(dataset.x[idx]), dataset.y[idx])))
+        window.extend(indices)
+        if (batch_idx + 1) % accumulate == 0 or batch_idx + 1 == epoch_lengths[epoch]:
+            idx = torch.tensor(window)
+            opt.zero_grad()
+            F.cross_entropy(network(dataset.x[idx]), dataset.y[idx], reduction=reduction).backward()
+            opt.step()
+            window = []
+    return {k: v.detach() for k, v in network.state_dict().items()}, probes
