@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
+import random
+import socket
 import statistics
+import time
 from pathlib import Path
+from typing import Any
 
 import lightning
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dynamix import __version__
+from lightning_dynamix import WeightedAllReduceState, __version__, weighted_allreduce_hook
 from lightning_dynamix.cli.timing import StepTimer
 from lightning_dynamix.cli.workloads import DemoClassifier
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
@@ -22,9 +32,9 @@ from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
-    parser.add_argument("--rounds", type=int, default=10, help="back-to-back pairs of runs (default 10)")
-    parser.add_argument("--steps", type=int, default=100, help="timed steps per run (default 100)")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps at the start of each run (default 20)")
+    parser.add_argument("--rounds", type=int, default=20, help="back-to-back pairs of runs (default 20)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
     parser.add_argument("--batch-size", type=int, default=128, help="batch size of every rank (default 128)")
     parser.add_argument("--features", type=int, default=512, help="input features (default 512)")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers (default 1024)")
@@ -58,6 +68,31 @@ def _median_step(strategy: object, args: argparse.Namespace) -> float:
     return max(t.median_step_seconds for t in timer.timings)
 
 
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+
+
+def _machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "lightning_dynamix": __version__,
+    }
+
+
+def bootstrap_median_interval(
+    values: list[float], confidence: float = 0.95, resamples: int = 4000
+) -> tuple[float, float]:
+    """A percentile-bootstrap confidence interval of the median of ``values``."""
+    generator = random.Random(0)
+    medians = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def run_overhead(args: argparse.Namespace) -> None:
     """Plain Lightning DDP against HeterogeneousDDPStrategy with equal sizes, alternating ABBA."""
     ratios, plain_steps, ours_steps = [], [], []
@@ -76,21 +111,16 @@ def run_overhead(args: argparse.Namespace) -> None:
         ratios.append(measured["ours"] / measured["ddp"])
     if int(os.environ.get("LOCAL_RANK", "0")) != 0 or int(os.environ.get("NODE_RANK", "0")) != 0:
         return
+    low, high = bootstrap_median_interval(ratios)
     result = {
         "benchmark": "overhead",
         "median_ratio": statistics.median(ratios),
+        "median_ratio_95ci": [low, high],
         "ratios": ratios,
         "median_step_ms_ddp": 1e3 * statistics.median(plain_steps),
         "median_step_ms_heterogeneous_ddp": 1e3 * statistics.median(ours_steps),
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "lightning": lightning.__version__,
-            "lightning_dynamix": __version__,
-        },
+        "config": _config(args),
+        "machine": _machine(),
     }
     print(
         f"\ndynamix bench overhead: {args.devices} processes (gloo, CPU), batch {args.batch_size} per rank,"
@@ -101,8 +131,82 @@ def run_overhead(args: argparse.Namespace) -> None:
         print(f"{i:>5}  {1e3 * plain:>13.2f}  {1e3 * ours:>27.2f}  {ratio:>6.3f}")
     print(
         f"median step-time ratio heterogeneous_ddp / ddp: {result['median_ratio']:.3f}"
-        f" (goal <= 1.01); median steps {result['median_step_ms_ddp']:.2f} ms vs"
-        f" {result['median_step_ms_heterogeneous_ddp']:.2f} ms"
+        f" (95% bootstrap interval {low:.3f} to {high:.3f}; goal <= 1.01);"
+        f" median steps {result['median_step_ms_ddp']:.2f} ms vs {result['median_step_ms_heterogeneous_ddp']:.2f} ms"
     )
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2))
+
+
+def add_hook_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--iterations", type=int, default=400, help="timed iterations per variant (default 400)")
+    parser.add_argument("--batch-size", type=int, default=128, help="batch size of every rank (default 128)")
+    parser.add_argument("--features", type=int, default=512, help="input features (default 512)")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers (default 1024)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+# the built-in reduction twice: the difference between the two is the noise floor of the measurement
+_HOOK_VARIANTS = ("ddp built-in", "ddp built-in, again", "weighted hook, weight 1", "weighted hook, weight 0.5")
+
+
+def _hook_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.devices)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    network = nn.Sequential(
+        nn.Linear(args.features, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, 10),
+    )
+    models = [DistributedDataParallel(copy.deepcopy(network)) for _ in _HOOK_VARIANTS]
+    models[2].register_comm_hook(WeightedAllReduceState(weight=1.0), weighted_allreduce_hook)
+    models[3].register_comm_hook(WeightedAllReduceState(weight=0.5), weighted_allreduce_hook)
+    x, y = torch.randn(args.batch_size, args.features), torch.randint(10, (args.batch_size,))
+    times: list[list[float]] = [[] for _ in models]
+    warmup = 20
+    shuffler = random.Random(0)  # the same order on every rank: the all-reduces must match up
+    order = list(range(len(models)))
+    for iteration in range(warmup + args.iterations):
+        shuffler.shuffle(order)  # a new order every iteration: no variant always follows another
+        for index in order:
+            start = time.perf_counter()
+            F.cross_entropy(models[index](x), y).backward()
+            if iteration >= warmup:
+                times[index].append(time.perf_counter() - start)
+    if rank == 0:
+        queue.put([statistics.median(t) for t in times])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_hook(args: argparse.Namespace) -> None:
+    """Forward + backward with DDP's built-in reduction against the weighted hook, interleaved."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.start_processes(_hook_worker, args=(args, port, queue), nprocs=args.devices, start_method="spawn")
+    medians = queue.get()
+    base = medians[0]
+    result = {
+        "benchmark": "hook",
+        "median_ms": {name: 1e3 * m for name, m in zip(_HOOK_VARIANTS, medians)},
+        "ratio_to_builtin": {name: m / base for name, m in zip(_HOOK_VARIANTS, medians)},
+        "config": _config(args),
+        "machine": _machine(),
+    }
+    print(
+        f"\ndynamix bench hook: {args.devices} processes (gloo, CPU), forward + backward of an MLP"
+        f" {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, {args.iterations} iterations"
+        " per variant in random interleaved order"
+    )
+    for name, median in zip(_HOOK_VARIANTS, medians):
+        print(f"{name:>26}: {1e3 * median:8.3f} ms  ({median / base:.4f} of the built-in reduction)")
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))

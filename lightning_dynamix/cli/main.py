@@ -24,6 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_overhead_arguments(overhead)
     overhead.set_defaults(func=bench.run_overhead)
+    hook = benchmarks.add_parser(
+        "hook", help="the weighted all-reduce hook against DDP's built-in reduction, interleaved per iteration"
+    )
+    bench.add_hook_arguments(hook)
+    hook.set_defaults(func=bench.run_hook)
     return parser
 
 

@@ -1,10 +1,14 @@
 """A DDP communication hook that all-reduces gradients with one weight per rank.
 
-DDP's default hook divides every rank's gradient by the world size and sums: right only when all
-ranks train on the same number of samples. :func:`weighted_allreduce_hook` multiplies this rank's
-gradient bucket by ``state.weight`` (``b_r / sum(b)`` in the simple case, see
-:class:`~lightning_dynamix.distributed.weighting.SyncWindowWeighting`) and sums, so the result is
-the exact global-batch gradient. It works with every backend, gloo on CPU included.
+DDP's default reduction divides every rank's gradient by the world size and sums: right only when
+all ranks train on the same number of samples. :func:`weighted_allreduce_hook` multiplies this
+rank's gradient bucket by ``state.weight`` and sums, so with ``weight = b_r / sum(b)`` the result
+is the exact global-batch gradient. It works with every backend, gloo on CPU included.
+
+``HeterogeneousDDPStrategy`` applies the weights earlier, as a scalar on the loss's gradient (see
+:class:`~lightning_dynamix.distributed.weighting.SyncWindowWeighting`), and leaves ``weight`` at
+1.0, so the hook adds no pass over the gradients, except for a correction when an accumulation
+window's sizes changed after it began.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at run time
@@ -20,7 +24,7 @@ class WeightedAllReduceState:
 
     Attributes:
         process_group: the group to all-reduce over; ``None`` for the default (world) group.
-        weight: the factor for this rank's gradient in the next synchronisation.
+        weight: the factor for this rank's gradient in the next synchronisation (1.0: untouched).
     """
 
     process_group: dist.ProcessGroup | None = None

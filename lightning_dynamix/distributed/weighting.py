@@ -7,9 +7,15 @@ samples.
 
 Gradient accumulation extends the batch to every step back-propagated since the last
 synchronisation (a *window*): the all-reduced gradient is the mean over all samples of the
-window, on all ranks. When a rank's size changes inside a window, each backward pass gets its own
-factor (returned by :meth:`SyncWindowWeighting.add_backward`) so that every sample counts the
-same.
+window, on all ranks, even when sizes change inside the window.
+
+:class:`SyncWindowWeighting` applies the weights where they cost nothing: as a scalar factor on
+each backward pass (the gradient of the loss, so autograd carries it into every parameter's
+gradient with no extra pass over them). That needs the window's total sample count up front,
+which the caller estimates from the schedule; if the window turns out different (sizes changed
+inside it, or it was cut short), :meth:`~SyncWindowWeighting.sync_weight` returns the correction
+the communication hook applies. In the usual case (no accumulation, or a window whose sizes were
+already fixed) it is exactly 1 and the hook does not touch the gradients.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ def validate_loss_reduction(loss_reduction: object) -> LossReduction:
 class SyncWindowWeighting:
     """One rank's gradient weights over a synchronisation window.
 
-    Call :meth:`add_backward` before every backward pass, :meth:`sync_weight` before the one
-    that synchronises (the weight the communication hook multiplies this rank's gradient by
-    before the SUM all-reduce), and :meth:`reset` after it.
+    Before every backward pass call :meth:`add_backward` and multiply that pass's gradient by
+    the factor it returns; before the pass that synchronises, set the communication hook's
+    weight to :meth:`sync_weight` (the hook multiplies by it, then SUMs over ranks); after it,
+    call :meth:`reset`.
 
     Targets: for ``loss_reduction="mean"`` the all-reduced gradient is the mean of the
     per-sample gradients over every sample of the window on every rank; for ``"sum"`` it is their
@@ -57,16 +64,26 @@ class SyncWindowWeighting:
         """Start a new window (after a synchronisation)."""
         self._window_samples = 0  # samples over all ranks of the distinct steps in the window
         self._last_step: int | None = None
-        self._first_size = 0
-        self._first_loss_scale = 1.0
+        self._normaliser = 0  # the window total the backward factors divided by
+
+    @property
+    def window_started(self) -> bool:
+        """Whether a backward pass has been recorded since the last :meth:`reset`."""
+        return self._normaliser > 0
 
     @property
     def window_samples(self) -> int:
         """Samples over all ranks in the steps back-propagated since the last synchronisation."""
         return self._window_samples
 
-    def add_backward(self, step: int, batch_sizes: Sequence[int], loss_scale: float = 1.0) -> float:
-        """Record a backward pass of ``step`` and return the factor its gradient must be scaled by.
+    def add_backward(
+        self,
+        step: int,
+        batch_sizes: Sequence[int],
+        loss_scale: float = 1.0,
+        window_estimate: int | None = None,
+    ) -> float:
+        """Record a backward pass of ``step`` and return the factor for its gradient.
 
         Args:
             step: the step whose batch is back-propagated; repeated backward passes of one step
@@ -74,27 +91,27 @@ class SyncWindowWeighting:
             batch_sizes: every rank's real batch size at that step.
             loss_scale: the factor the training loop already applied to the loss (Lightning's
                 automatic optimisation divides it by ``accumulate_grad_batches``).
+            window_estimate: at the window's first backward, the expected samples over all ranks
+                of every step up to the next synchronisation; default: this step's alone.
 
         Returns:
-            1.0 unless this rank's size or the loss scale differ from the window's first step.
+            ``b_r / (loss_scale * window)`` for a mean loss, ``1 / loss_scale`` for a summed one.
         """
-        size = batch_sizes[self.rank]
         if step != self._last_step:
             self._window_samples += sum(batch_sizes)
             self._last_step = step
-        if self._first_size == 0:
-            self._first_size = size
-            self._first_loss_scale = loss_scale
-            return 1.0
-        # every backward must contribute (first_loss_scale / first_size) * (sum of its per-sample grads)
+        if self._normaliser == 0:
+            self._normaliser = window_estimate if window_estimate is not None else sum(batch_sizes)
+            if self._normaliser < 1:
+                raise ValueError(f"`window_estimate` must be a positive number of samples, got {window_estimate}")
         if self.loss_reduction == "mean":
-            return (self._first_loss_scale * size) / (loss_scale * self._first_size)
-        return self._first_loss_scale / loss_scale
+            return batch_sizes[self.rank] / (loss_scale * self._normaliser)
+        return 1.0 / loss_scale
 
     def sync_weight(self) -> float:
-        """The factor for this rank's accumulated gradient before the SUM all-reduce."""
-        if self._first_size == 0:
+        """The hook's factor at this synchronisation: 1.0 unless the window's estimate was off."""
+        if self._normaliser == 0:
             raise RuntimeError("sync_weight() needs at least one add_backward() in the window")
-        if self.loss_reduction == "mean":
-            return self._first_size / (self._first_loss_scale * self._window_samples)
-        return 1.0 / self._first_loss_scale
+        if self.loss_reduction == "mean" and self._normaliser != self._window_samples:
+            return self._normaliser / self._window_samples
+        return 1.0

@@ -6,9 +6,10 @@
   :class:`~lightning_dynamix.data.HeterogeneousBatchSampler` (same dataset, collate function,
   workers and pinning), so ranks take different batch sizes from one global schedule and always
   agree on the number of steps;
-* a weighted all-reduce communication hook (registered on every device type, CPU/gloo included)
-  makes the synchronised gradient exactly the mean over the global batch, with gradient
-  accumulation counting every sample since the last synchronisation;
+* every rank's gradient is weighted by its share of the global batch (a scalar on the loss's
+  gradient) and a weighted all-reduce communication hook, registered on every device type
+  (CPU/gloo included), sums them: the synchronised gradient is exactly the mean over the global
+  batch, with gradient accumulation counting every sample since the last synchronisation;
 * :meth:`~HeterogeneousDDPStrategy.set_batch_sizes` changes the sizes from an agreed step on all
   ranks, which callbacks use to rebalance a heterogeneous cluster.
 
@@ -425,10 +426,13 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                     "backward() was called before the training DataLoader handed out a batch; the gradient"
                     " weights come from the batch being trained."
                 )
-            loss_scale = 1.0 / module.trainer.accumulate_grad_batches if module.automatic_optimization else 1.0
-            factor = self._weighting.add_backward(loader.current_step, loader.current_batch_sizes, loss_scale)
-            if factor != 1.0:
-                closure_loss.register_hook(lambda grad: grad * factor)
+            trainer = module.trainer
+            accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
+            step, sizes = loader.current_step, loader.current_batch_sizes
+            estimate = None if self._weighting.window_started else self._window_estimate(step, sizes, accumulate)
+            factor = self._weighting.add_backward(step, sizes, 1.0 / accumulate, estimate)
+            # a scalar on the loss's gradient reaches every parameter gradient at no extra cost
+            closure_loss.register_hook(lambda grad: grad * factor)
             syncing = self.model.require_backward_grad_sync
             if syncing:
                 self._hook_state.weight = self._weighting.sync_weight()
@@ -437,6 +441,16 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             assert self._weighting is not None
             self._weighting.reset()
         return output
+
+    def _window_estimate(self, step: int, sizes: BatchSizes, accumulate: int) -> int:
+        """Samples over all ranks from ``step`` to the end of its accumulation window, as planned now."""
+        if accumulate == 1:
+            return sum(sizes)
+        assert self._train_loader is not None
+        sampler = self._train_loader.batch_sampler
+        epoch_end = min(len(sampler), self.lightning_module.trainer.num_training_batches)
+        window_end = min(step - step % accumulate + accumulate, epoch_end)
+        return sum(sizes) + sum(sum(sampler.batch_sizes_at(j)) for j in range(step + 1, window_end))
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:

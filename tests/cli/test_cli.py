@@ -69,3 +69,19 @@ def test_lightning_cli_yaml_selects_and_trains_with_the_strategy(tmp_path, confi
     )
     assert f"trained with HeterogeneousDDPStrategy, per-rank batch sizes {sizes}" in output
     assert "`Trainer.fit` stopped: `max_epochs=1` reached." in output
+
+
+def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_path):
+    out = tmp_path / "hook.json"
+    dynamix(
+        "bench", "hook", "--iterations", "5", "--features", "8", "--hidden", "16", "--batch-size", "4",
+        "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["ratio_to_builtin"]["ddp built-in"] == 1.0
+    assert set(result["median_ms"]) == {
+        "ddp built-in",
+        "ddp built-in, again",
+        "weighted hook, weight 1",
+        "weighted hook, weight 0.5",
+    }

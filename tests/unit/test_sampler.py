@@ -280,3 +280,41 @@ def test_an_iterator_still_producing_when_the_epoch_changes_fails_loudly():
     with pytest.raises(RuntimeError, match="create a new iterator after set_epoch"):
         next(it)
     assert sorted(i for batch in sampler for i in batch) == list(range(40))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@settings(max_examples=6, deadline=None)
+@given(job=jobs(max_size=4), data=st.data())
+def test_dataloader_resume_under_random_resizes_continues_exactly(job, data, num_workers):
+    """Stop anywhere, save every rank's loader state, resume in new loaders: same batches, once each."""
+    num_samples, sizes, resizes = job
+    dataset = TensorDataset(torch.arange(num_samples))
+
+    def loaders():
+        return [HeterogeneousDataLoader(dataset, s, num_workers=num_workers) for s in make_samplers(num_samples, sizes)]
+
+    def run(group, start, stop=None):
+        """Lockstep over all ranks from the (already consumed) step ``start``; resizes keyed by step count."""
+        iterators, steps = [iter(loader) for loader in group], []
+        while stop is None or start + len(steps) < stop:
+            batches = [next(it, None) for it in iterators]
+            if all(b is None for b in batches):
+                break
+            steps.append([b[0].tolist() for b in batches])
+            if start + len(steps) in resizes:
+                agreed = max(loader.batch_sampler.next_step for loader in group)
+                for loader in group:
+                    loader.batch_sampler.set_batch_sizes(resizes[start + len(steps)], from_step=agreed)
+        return steps
+
+    reference = run(loaders(), 0)
+    stop = data.draw(st.integers(0, len(reference) - 1))
+    first = loaders()
+    done = run(first, 0, stop)
+    states = [loader.state_dict() for loader in first]
+    second = loaders()
+    for loader, state in zip(second, states):
+        loader.load_state_dict(state)
+    rest = run(second, stop)
+    assert done + rest == reference
+    assert sorted(flatten(done + rest)) == list(range(num_samples))

@@ -39,6 +39,7 @@ class Model(LightningModule):
         self.batch_size = batch_size
         self.seen: list[int] = []
         self.validations = 0
+        self.val_x = torch.randn(8, 2)
 
     def training_step(self, batch, batch_idx):
         index, x = batch
@@ -61,7 +62,7 @@ class Model(LightningModule):
         return DataLoader(data, batch_size=self.batch_size)
 
     def val_dataloader(self):
-        return DataLoader(TensorDataset(torch.arange(8), torch.randn(8, 2)), batch_size=4)
+        return DataLoader(TensorDataset(torch.arange(8), self.val_x), batch_size=4)
 
 
 def fit(model, strategy, **kwargs):
@@ -199,3 +200,18 @@ def test_loss_logged_in_training_step_with_one_rank_is_unchanged():
     model = Logged()
     trainer = fit(model, HeterogeneousDDPStrategy(), max_steps=3)
     assert float(trainer.callback_metrics["loss"]) == pytest.approx(model.last)
+
+
+def test_validate_and_test_dataloaders_keep_working_with_the_strategy():
+    class Evaluated(Model):
+        def test_step(self, batch, batch_idx):
+            self.log("test_value", self.layer(batch[1]).mean())
+
+        def test_dataloader(self):
+            return self.val_dataloader()
+
+    model = Evaluated()
+    trainer = fit(model, HeterogeneousDDPStrategy(), max_epochs=1)
+    assert model.validations == 1
+    assert trainer.validate(model, verbose=False)[0]["val"] == pytest.approx(float(model.layer(model.val_x).mean()))
+    assert "test_value" in trainer.test(model, verbose=False)[0]
