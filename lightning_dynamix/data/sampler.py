@@ -178,7 +178,6 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._consumed = 0  # batches of this pass handed to training (counted by the DataLoader)
         self._pass_started = False
         self._counts_consumption = False
-        self._schedule_version = 0
         self.on_schedule_change: Callable[[], None] | None = None
         """Called after every change of the current epoch's schedule (and so possibly of ``len``)."""
 
@@ -200,7 +199,6 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._schedule_changed()
 
     def _schedule_changed(self) -> None:
-        self._schedule_version += 1
         if self.on_schedule_change is not None:
             self.on_schedule_change()
 
@@ -225,11 +223,6 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """The first step of this epoch not yet produced: the earliest a size change can apply."""
         self._sync_epoch()
         return self._produced
-
-    @property
-    def schedule_version(self) -> int:
-        """A counter that changes whenever this epoch's schedule (and so ``len``) may change."""
-        return self._schedule_version
 
     @property
     def schedule(self) -> EpochSchedule:

@@ -137,7 +137,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._hook_state = WeightedAllReduceState()
         self._weighting: SyncWindowWeighting | None = None
         self._train_loader: HeterogeneousDataLoader | None = None
-        self._synced_schedule_version = -1
         self._in_training_step = False
         self._loader_state_to_load: dict[str, Any] | None = None
 
@@ -241,10 +240,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         self._train_loader = self._heterogeneous_loader(dataloader)
-        sampler = self._train_loader.batch_sampler
-        self._synced_schedule_version = sampler.schedule_version
         # keep Lightning's epoch length right whenever sizes or the epoch change
-        sampler.on_schedule_change = self._sync_trainer_epoch_length
+        self._train_loader.batch_sampler.on_schedule_change = self._sync_trainer_epoch_length
         return self._train_loader
 
     def _heterogeneous_loader(self, dataloader: object) -> HeterogeneousDataLoader:
@@ -343,11 +340,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         )
         return sampler
 
-    def _sync_trainer_epoch_length(self, at_batch_start: bool = False) -> None:
+    def _sync_trainer_epoch_length(self) -> None:
         """Tell Lightning's fit loop how many batches the current epoch now has.
 
-        Called by the sampler on every schedule change (a resize, a new epoch) and, as a safety
-        net, at a batch's start when the schedule changed unnoticed.
+        Called by the sampler on every schedule change: a resize, or a new epoch (Lightning sets
+        it before it reads the epoch's length for the progress bar and the data fetcher).
         """
         loader = self._train_loader
         module = self.lightning_module
@@ -356,7 +353,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         trainer = module.trainer
         fit_loop = trainer.fit_loop
         combined = fit_loop._combined_loader
-        self._synced_schedule_version = loader.batch_sampler.schedule_version
         if combined is None or not any(dl is loader for dl in combined.flattened):
             return
         num_batches = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
@@ -366,8 +362,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if fetcher is not None and fetcher.length is not None:
             fetcher.length = int(num_batches)
             fetcher.done = fetcher.fetched >= fetcher.length
-            if at_batch_start:
-                fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
         if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(trainer.val_check_interval, float):
             trainer.val_check_batch = max(1, int(num_batches * trainer.val_check_interval))
 
@@ -393,13 +387,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(combined.flattened)};"
                 " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
             )
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        loader = self._train_loader
-        if loader is not None and loader.batch_sampler.schedule_version != self._synced_schedule_version:
-            self._sync_trainer_epoch_length(at_batch_start=True)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
