@@ -146,6 +146,9 @@ class ResizeOnce(Callback):
         self.epoch_lengths_at_start.append(trainer.num_training_batches)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        # what callbacks read: the real size of the batch just trained, and the sampler behind it
+        assert trainer.strategy.current_batch_sizes == (len(batch[0]),)
+        assert trainer.strategy.train_batch_sampler.batch_sizes_at(batch_idx) == (len(batch[0]),)
         if trainer.current_epoch == 0 and batch_idx == self.at_batch:
             self.applied_from = trainer.strategy.set_batch_sizes(self.sizes)
 
