@@ -21,24 +21,34 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dynamix import WeightedAllReduceState, __version__, weighted_allreduce_hook
 from lightning_dynamix.cli.timing import StepTimer
-from lightning_dynamix.cli.workloads import DemoClassifier
+from lightning_dynamix.cli.workloads import DemoClassifier, make_mlp
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
+NUM_CLASSES = 10
 
-def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The job both benchmarks time: processes, and an MLP with its batch size."""
     parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
-    parser.add_argument("--rounds", type=int, default=20, help="back-to-back pairs of runs (default 20)")
-    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
     parser.add_argument("--batch-size", type=int, default=128, help="batch size of every rank (default 128)")
     parser.add_argument("--features", type=int, default=512, help="input features (default 512)")
     parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers (default 1024)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+def _network_name(args: argparse.Namespace) -> str:
+    return f"MLP {args.features}-{args.hidden}-{args.hidden}-{NUM_CLASSES}"
+
+
+def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_job_arguments(parser)
+    parser.add_argument("--rounds", type=int, default=20, help="back-to-back pairs of runs (default 20)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
 
 
 def _median_step(strategy: object, args: argparse.Namespace) -> float:
@@ -58,7 +68,7 @@ def _median_step(strategy: object, args: argparse.Namespace) -> float:
     model = DemoClassifier(
         num_samples=8192,
         num_features=args.features,
-        num_classes=10,
+        num_classes=NUM_CLASSES,
         hidden=args.hidden,
         batch_size=args.batch_size,
         sync_dist=False,
@@ -124,7 +134,7 @@ def run_overhead(args: argparse.Namespace) -> None:
     }
     print(
         f"\ndynamix bench overhead: {args.devices} processes (gloo, CPU), batch {args.batch_size} per rank,"
-        f" MLP {args.features}-{args.hidden}-{args.hidden}-10, {args.rounds} rounds of {args.steps} timed steps"
+        f" {_network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
     )
     print(f"{'round':>5}  {'ddp (ms/step)':>13}  {'heterogeneous_ddp (ms/step)':>27}  {'ratio':>6}")
     for i, (plain, ours, ratio) in enumerate(zip(plain_steps, ours_steps, ratios)):
@@ -139,12 +149,8 @@ def run_overhead(args: argparse.Namespace) -> None:
 
 
 def add_hook_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
+    _add_job_arguments(parser)
     parser.add_argument("--iterations", type=int, default=400, help="timed iterations per variant (default 400)")
-    parser.add_argument("--batch-size", type=int, default=128, help="batch size of every rank (default 128)")
-    parser.add_argument("--features", type=int, default=512, help="input features (default 512)")
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers (default 1024)")
-    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
 # the built-in reduction twice: the difference between the two is the noise floor of the measurement
@@ -156,17 +162,11 @@ def _hook_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> 
     dist.init_process_group("gloo", rank=rank, world_size=args.devices)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    network = nn.Sequential(
-        nn.Linear(args.features, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, 10),
-    )
+    network = make_mlp(args.features, args.hidden, NUM_CLASSES)
     models = [DistributedDataParallel(copy.deepcopy(network)) for _ in _HOOK_VARIANTS]
     models[2].register_comm_hook(WeightedAllReduceState(weight=1.0), weighted_allreduce_hook)
     models[3].register_comm_hook(WeightedAllReduceState(weight=0.5), weighted_allreduce_hook)
-    x, y = torch.randn(args.batch_size, args.features), torch.randint(10, (args.batch_size,))
+    x, y = torch.randn(args.batch_size, args.features), torch.randint(NUM_CLASSES, (args.batch_size,))
     times: list[list[float]] = [[] for _ in models]
     warmup = 20
     shuffler = random.Random(0)  # the same order on every rank: the all-reduces must match up
@@ -202,8 +202,8 @@ def run_hook(args: argparse.Namespace) -> None:
         "machine": _machine(),
     }
     print(
-        f"\ndynamix bench hook: {args.devices} processes (gloo, CPU), forward + backward of an MLP"
-        f" {args.features}-{args.hidden}-{args.hidden}-10, batch {args.batch_size}, {args.iterations} iterations"
+        f"\ndynamix bench hook: {args.devices} processes (gloo, CPU), forward + backward of an"
+        f" {_network_name(args)}, batch {args.batch_size}, {args.iterations} iterations"
         " per variant in random interleaved order"
     )
     for name, median in zip(_HOOK_VARIANTS, medians):

@@ -11,6 +11,17 @@ from torch.utils.data import DataLoader
 from lightning_dynamix.data import SyntheticClassificationDataset
 
 
+def make_mlp(num_features: int, hidden: int, num_classes: int) -> nn.Sequential:
+    """The demo's network: two hidden ReLU layers of width ``hidden``."""
+    return nn.Sequential(
+        nn.Linear(num_features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )
+
+
 class DemoClassifier(LightningModule):
     """A multi-layer perceptron classifier trained with SGD on :class:`SyntheticClassificationDataset`.
 
@@ -41,13 +52,7 @@ class DemoClassifier(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(seed)
-        self.network = nn.Sequential(
-            nn.Linear(num_features, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, num_classes),
-        )
+        self.network = make_mlp(num_features, hidden, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.network(x)

@@ -185,10 +185,6 @@ class EpochSchedule:
         seg = self._segments[bisect.bisect_right(self._starts, step) - 1]
         return seg, seg.start_cursor + (step - seg.start_step) * seg.total
 
-    def cursor_at(self, step: int) -> int:
-        """Position in the epoch's global order where ``step`` begins (samples before it)."""
-        return self._locate(step)[1]
-
     def batch_sizes_at(self, step: int) -> BatchSizes:
         """Every rank's real batch size at ``step``, the epoch's final step included."""
         return self.step_at(step)[1]
@@ -216,7 +212,7 @@ class EpochSchedule:
             )
         if from_step >= len(self):
             return False
-        cursor = self.cursor_at(from_step)
+        cursor = self._locate(from_step)[1]
         keep = bisect.bisect_left(self._starts, from_step)
         del self._segments[keep:]
         del self._starts[keep:]
