@@ -294,15 +294,16 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if type(dataloader) is not DataLoader:
             raise MisconfigurationException(
                 f"The training DataLoader is a {type(dataloader).__name__}; HeterogeneousDDPStrategy rebuilds"
-                " plain torch DataLoaders only. Use torch.utils.data.DataLoader, or pass a"
-                " HeterogeneousDataLoader yourself."
+                " plain torch DataLoaders only. Use torch.utils.data.DataLoader, or build a"
+                " HeterogeneousDataLoader yourself and train with Trainer(use_distributed_sampler=False)."
             )
         if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in _PLAIN_SAMPLERS:
             raise MisconfigurationException(
                 "The training DataLoader has a custom sampler or batch sampler"
                 f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__})."
                 " HeterogeneousDDPStrategy draws training batches from one global shuffled order and would"
-                " discard it. Use DataLoader(dataset, batch_size=...) or pass a HeterogeneousBatchSampler."
+                " discard it. Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader"
+                " yourself and train with Trainer(use_distributed_sampler=False)."
             )
         sizes: object = self.batch_sizes
         argument = "batch_sizes"

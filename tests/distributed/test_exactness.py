@@ -81,3 +81,10 @@ def test_validation_runs_with_the_strategy(job):
         values = {r["val_loss"] for r in ranks}
         assert len(values) == 1
         assert math.isfinite(values.pop())
+
+
+def test_ranks_that_disagree_on_new_sizes_all_fail_instead_of_hanging(tmp_path):
+    proc = run_job("disagree_job.py", cwd=tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"rank {rank} raised: set_batch_sizes() was called with different arguments" in proc.stdout

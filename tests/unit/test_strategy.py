@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset, WeightedRandomSampler
 
-from lightning_dynamix import HeterogeneousDDPStrategy
+from lightning_dynamix import HeterogeneousBatchSampler, HeterogeneousDataLoader, HeterogeneousDDPStrategy
 
 
 @pytest.fixture(autouse=True)
@@ -218,3 +218,26 @@ def test_validate_and_test_dataloaders_keep_working_with_the_strategy():
     assert model.validations == 1
     assert trainer.validate(model, verbose=False)[0]["val"] == pytest.approx(float(model.layer(model.val_x).mean()))
     assert "test_value" in trainer.test(model, verbose=False)[0]
+
+
+def test_a_heterogeneous_dataloader_of_the_users_own_is_used_as_given():
+    data = TensorDataset(torch.arange(30), torch.randn(30, 2))
+    sampler = HeterogeneousBatchSampler(data, [5], rank=0, world_size=1, seed=3)
+    loader = HeterogeneousDataLoader(data, sampler)
+    model = Model(loader)
+    trainer = fit(model, HeterogeneousDDPStrategy(), max_epochs=1, use_distributed_sampler=False)
+    assert trainer.strategy.train_batch_sampler is sampler
+    assert trainer.strategy.batch_sizes == (5,)
+    assert model.seen == sampler.sampler.indices(0, 30)  # the user's seed decided the order
+
+
+def test_a_users_sampler_for_another_rank_layout_is_refused():
+    data = TensorDataset(torch.arange(30), torch.randn(30, 2))
+    sampler = HeterogeneousBatchSampler(data, [5, 5], rank=1, world_size=2)
+    with pytest.raises(MisconfigurationException, match="rank 1 of 2, but this process is rank 0 of 1"):
+        fit(
+            Model(HeterogeneousDataLoader(data, sampler)),
+            HeterogeneousDDPStrategy(),
+            max_steps=1,
+            use_distributed_sampler=False,
+        )
