@@ -4,18 +4,40 @@ Importing the package registers its Lightning strategies, so ``Trainer(strategy=
 works.
 """
 
+from lightning_dynamix.callbacks import ClusterMetricsMonitor, DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.control import (
+    BatchController,
+    Decision,
+    GoodputController,
+    PIDController,
+    StaticController,
+    make_controller,
+)
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
 from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduceState, weighted_allreduce_hook
+from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchController",
+    "ClusterMetricsMonitor",
+    "ClusterState",
+    "Decision",
+    "DynamixCallback",
+    "GoodputController",
+    "GradientNoiseScale",
+    "HeterogeneityEmulator",
     "HeterogeneousBatchSampler",
     "HeterogeneousDDPStrategy",
     "HeterogeneousDataLoader",
+    "PIDController",
+    "StaticController",
     "SyncWindowWeighting",
     "WeightedAllReduceState",
+    "WorkerMetrics",
     "__version__",
+    "make_controller",
     "weighted_allreduce_hook",
 ]

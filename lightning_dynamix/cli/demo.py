@@ -1,63 +1,93 @@
-"""``dynamix demo``: a real multi-process job with fixed, uneven per-rank batch sizes."""
+"""``dynamix demo``: one rank 3x slower, static batches against DynamixCallback, side by side."""
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
-from lightning.pytorch import Trainer
-from lightning.pytorch.loggers import CSVLogger
+from lightning_dynamix.cli.experiments import RunConfig, RunResult, is_launcher_rank_zero, run
+from lightning_dynamix.cli.plots import plot_runs
 
-from lightning_dynamix.cli.timing import StepTimer
-from lightning_dynamix.cli.workloads import DemoClassifier
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--batch-sizes",
-        type=lambda text: [int(x) for x in text.split(",")],
-        default=[16, 48],
-        help="per-rank batch sizes, comma-separated; their count is the number of processes (default 16,48)",
+        "--speeds", type=_floats, default=(1.0, 3.0), help="slowdown per rank; one process each (default 1,3)"
     )
-    parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps to train (default 60)")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers per rank (default 0)")
+    parser.add_argument("--controller", default="pid", help="controller against static: pid or goodput (default pid)")
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs of each run (default 3)")
+    parser.add_argument("--batch-size", type=int, default=128, help="initial batch size of every rank (default 128)")
+    parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of data, weights and order (default 0)")
     parser.add_argument(
-        "--log-dir", type=Path, default=Path("dynamix_runs"), help="where the CSV logs go (default dynamix_runs)"
+        "--output-dir",
+        type=Path,
+        default=Path("dynamix_runs/demo"),
+        help="plot and results (default dynamix_runs/demo)",
     )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
-def run(args: argparse.Namespace) -> None:
-    sizes = args.batch_sizes
-    timer = StepTimer(warmup=5)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=len(sizes),
-        strategy=HeterogeneousDDPStrategy(batch_sizes=sizes),
-        max_steps=args.max_steps,
-        logger=CSVLogger(args.log_dir, name="demo"),
-        log_every_n_steps=5,
-        callbacks=[timer],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model = DemoClassifier(num_workers=args.num_workers)
-    trainer.fit(model)
-    if not trainer.is_global_zero:
-        return
-    total_samples = sum(t.samples for t in timer.timings)
-    seconds = max(t.seconds for t in timer.timings)
-    print(f"\nlightning-dynamix demo: {len(sizes)} processes, HeterogeneousDDPStrategy, fixed uneven batch sizes")
-    print(f"{'rank':>4}  {'batch size':>10}  {'steps':>5}  {'samples':>7}  {'time (s)':>8}  {'samples/s':>9}")
-    for timing, size in zip(timer.timings, sizes):
-        print(
-            f"{timing.rank:>4}  {size:>10}  {timing.steps:>5}  {timing.samples:>7}"
-            f"  {timing.seconds:>8.2f}  {timing.samples_per_second:>9.1f}"
+def _row(name: str, values: list[Any]) -> str:
+    return f"{name:<30}" + "".join(f"{v:>14}" for v in values)
+
+
+def run_demo(args: argparse.Namespace) -> None:
+    results: dict[str, RunResult] = {}
+    for controller in ("static", args.controller):
+        config = RunConfig(
+            controller=controller,
+            speeds=args.speeds,
+            batch_size=args.batch_size,
+            epochs=args.epochs,
+            target_accuracy=args.target_accuracy,
+            seed=args.seed,
         )
+        result = run(config)
+        if result is not None:
+            results[controller] = result
+    if not is_launcher_rank_zero():
+        return
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    plot = plot_runs(results, args.output_dir / "demo.png", title=f"speeds {list(args.speeds)}")
+    (args.output_dir / "demo.json").write_text(json.dumps({k: r.as_dict() for k, r in results.items()}, indent=2))
+    if args.json:
+        print(json.dumps({name: _summary(r) for name, r in results.items()}, indent=2))
+        return
+    names = list(results)
     print(
-        f"global batch {sum(sizes)}, {trainer.global_step} optimizer steps ({timer.timings[0].steps} timed):"
-        f" {total_samples / seconds:.1f} samples/s in total;"
-        f" final training loss {float(trainer.callback_metrics['train_loss']):.3f}"
+        f"\nlightning-dynamix demo: {len(args.speeds)} processes, rank speeds {list(args.speeds)} (x slower),"
+        f" {args.epochs} epochs, initial batch {args.batch_size} per rank"
     )
-    print(f"logs: {trainer.logger.log_dir}")
+    print(_row("", names))
+    print(_row("throughput / ideal sum_r s_r", [f"{results[n].throughput_to_ideal:.2f}" for n in names]))
+    print(_row("samples / s", [f"{results[n].samples / results[n].train_seconds:.0f}" for n in names]))
+    tta = [results[n].time_to_target for n in names]
+    print(_row(f"time to {args.target_accuracy:.0%} accuracy (s)", [f"{t:.1f}" if t else "not reached" for t in tta]))
+    print(_row("training time (s)", [f"{results[n].train_seconds:.1f}" for n in names]))
+    print(_row("final accuracy", [f"{results[n].final_accuracy:.3f}" for n in names]))
+    print(_row("final batch sizes", [",".join(map(str, _final_sizes(results[n]))) for n in names]))
+    print(f"plot: {plot}\nresults: {args.output_dir / 'demo.json'}")
+
+
+def _final_sizes(result: RunResult) -> list[int]:
+    last = result.intervals[-1] if result.intervals else None
+    if last is None:
+        return [result.config["batch_size"]] * len(result.config["speeds"])
+    return list(last["next_batch_sizes"] or last["batch_sizes"])
+
+
+def _summary(result: RunResult) -> dict[str, Any]:
+    return {
+        "throughput_to_ideal": result.throughput_to_ideal,
+        "samples_per_s": result.samples / result.train_seconds,
+        "time_to_target": result.time_to_target,
+        "train_seconds": result.train_seconds,
+        "final_accuracy": result.final_accuracy,
+        "final_batch_sizes": _final_sizes(result),
+    }

@@ -6,16 +6,18 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, demo
+from lightning_dynamix.cli import bench, bench_heterogeneity, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynamix", description="lightning-dynamix: heterogeneous data parallelism")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo_parser = commands.add_parser("demo", help="run a multi-process job with uneven per-rank batch sizes")
+    demo_parser = commands.add_parser(
+        "demo", help="a 2-process job with one rank 3x slower: static batches, then DynamixCallback"
+    )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.run)
+    demo_parser.set_defaults(func=demo.run_demo)
 
     bench_parser = commands.add_parser("bench", help="measured benchmarks")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
@@ -29,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_hook_arguments(hook)
     hook.set_defaults(func=bench.run_hook)
+    balance = benchmarks.add_parser("balance", help="achieved throughput against the ideal sum of rank speeds")
+    bench_heterogeneity.add_balance_arguments(balance)
+    balance.set_defaults(func=bench_heterogeneity.run_balance)
+    tta = benchmarks.add_parser("tta", help="time to target accuracy and final accuracy per controller")
+    bench_heterogeneity.add_tta_arguments(tta)
+    tta.set_defaults(func=bench_heterogeneity.run_tta)
     return parser
 
 

@@ -5,17 +5,23 @@ DataLoader workers prefetch: the sampler has produced more batches than training
 which step (and so which per-rank batch sizes) the batch being trained on has, and it saves a
 resumable position: the batches trained on, not the batches prefetched. It implements
 ``state_dict``/``load_state_dict``, which Lightning's fit loop saves into checkpoints.
+
+With a :class:`~lightning_dynamix.metrics.StepClock` in ``step_clock`` it also times how long
+training waited for each batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import BatchSizes
+
+if TYPE_CHECKING:
+    from lightning_dynamix.metrics.timers import StepClock
 
 
 class _StepCountingIterator(Iterator[Any]):
@@ -26,8 +32,14 @@ class _StepCountingIterator(Iterator[Any]):
         self._iterator = iterator
 
     def __next__(self) -> Any:
+        clock = self._loader.step_clock
+        if clock is not None:
+            clock.data_start()
         batch = next(self._iterator)
-        self._loader._record_step(self._loader.batch_sampler._consume())
+        loader = self._loader
+        loader._record_step(loader.batch_sampler._consume())
+        if clock is not None:
+            clock.data_end(loader._current_sizes[loader.batch_sampler.rank])
         return batch
 
     def __len__(self) -> int:
@@ -53,6 +65,7 @@ class HeterogeneousDataLoader(DataLoader):
         batch_sampler._counts_consumption = True
         self._current_step = -1
         self._current_sizes: BatchSizes = ()
+        self.step_clock: StepClock | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._current_step = -1

@@ -1,13 +1,21 @@
 """Distributed pieces free of Lightning: the weighted all-reduce hook, its weights, collectives."""
 
-from lightning_dynamix.distributed.collectives import gather_ints, weighted_mean_all_reduce
-from lightning_dynamix.distributed.comm_hooks import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_dynamix.distributed.collectives import (
+    broadcast_floats,
+    gather_floats,
+    gather_ints,
+    weighted_mean_all_reduce,
+)
+from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.distributed.weighting import LossReduction, SyncWindowWeighting, validate_loss_reduction
 
 __all__ = [
+    "BucketNorms",
     "LossReduction",
     "SyncWindowWeighting",
     "WeightedAllReduceState",
+    "broadcast_floats",
+    "gather_floats",
     "gather_ints",
     "validate_loss_reduction",
     "weighted_allreduce_hook",

@@ -63,6 +63,7 @@ class SyncWindowWeighting:
     def reset(self) -> None:
         """Start a new window (after a synchronisation)."""
         self._window_samples = 0  # samples over all ranks of the distinct steps in the window
+        self._window_own_samples = 0  # this rank's samples of those steps
         self._last_step: int | None = None
         self._normaliser = 0  # the window total the backward factors divided by
 
@@ -75,6 +76,11 @@ class SyncWindowWeighting:
     def window_samples(self) -> int:
         """Samples over all ranks in the steps back-propagated since the last synchronisation."""
         return self._window_samples
+
+    @property
+    def window_own_samples(self) -> int:
+        """This rank's samples in the steps back-propagated since the last synchronisation."""
+        return self._window_own_samples
 
     def add_backward(
         self,
@@ -99,6 +105,7 @@ class SyncWindowWeighting:
         """
         if step != self._last_step:
             self._window_samples += sum(batch_sizes)
+            self._window_own_samples += batch_sizes[self.rank]
             self._last_step = step
         if self._normaliser == 0:
             self._normaliser = window_estimate if window_estimate is not None else sum(batch_sizes)

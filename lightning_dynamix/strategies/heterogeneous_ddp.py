@@ -15,13 +15,19 @@
 
 Scalars logged with ``self.log(..., sync_dist=True)`` from ``training_step`` are averaged over
 ranks weighted by each rank's batch size; epoch aggregates are weighted by Lightning itself.
+
+For the callbacks that measure the cluster, the strategy can time every step
+(:meth:`~HeterogeneousDDPStrategy.enable_step_clock`) and report the squared gradient norms of
+each synchronisation (:meth:`~HeterogeneousDDPStrategy.enable_gradient_norms`); both are off
+unless asked for, and neither adds a collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -43,6 +49,7 @@ from typing_extensions import override
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
+    BucketNorms,
     LossReduction,
     SyncWindowWeighting,
     WeightedAllReduceState,
@@ -51,6 +58,9 @@ from lightning_dynamix.distributed import (
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
 )
+from lightning_dynamix.metrics.timers import StepClock
+
+GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
 
 STRATEGY_NAME = "heterogeneous_ddp"
 _PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
@@ -139,6 +149,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._train_loader: HeterogeneousDataLoader | None = None
         self._in_training_step = False
         self._loader_state_to_load: dict[str, Any] | None = None
+        self._step_clock: StepClock | None = None
+        self._norm_sink: GradientNormSink | None = None
 
     def _validate_sizes(self, batch_sizes: object, world_size: int | None) -> BatchSizes:
         return validate_batch_sizes(
@@ -168,6 +180,35 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def train_batch_sampler(self) -> HeterogeneousBatchSampler | None:
         """The sampler of the training DataLoader; ``None`` before training starts."""
         return None if self._train_loader is None else self._train_loader.batch_sampler
+
+    @property
+    def step_clock(self) -> StepClock | None:
+        """This rank's step timeline, once :meth:`enable_step_clock` was called."""
+        return self._step_clock
+
+    def enable_step_clock(self) -> StepClock:
+        """Time every training step of this rank from now on (data, compute, sync wait, all-reduce).
+
+        Returns the :class:`~lightning_dynamix.metrics.StepClock`; calling it again returns the same one.
+        """
+        if self._step_clock is None:
+            self._step_clock = StepClock()
+            self._hook_state.clock = self._step_clock
+            if self._train_loader is not None:
+                self._train_loader.step_clock = self._step_clock
+        return self._step_clock
+
+    def enable_gradient_norms(self, sink: GradientNormSink | None) -> None:
+        """Report the gradient's squared norms at every synchronisation to ``sink``; ``None`` stops it.
+
+        ``sink(local_sq_norm, local_samples, global_sq_norm, global_samples)`` receives the squared
+        norm of this rank's mean gradient over its own samples since the last synchronisation and
+        the squared norm of the all-reduced mean gradient over all ranks' samples, as 0-dim tensors
+        on the gradients' device, with the sample counts they are means over. Computing them costs
+        two reads of the gradients per synchronisation.
+        """
+        self._norm_sink = sink
+        self._hook_state.norms = BucketNorms() if sink is not None else None
 
     def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int | None:
         """Give each rank a new batch size from an agreed step of the current epoch on.
@@ -240,6 +281,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         self._train_loader = self._heterogeneous_loader(dataloader)
+        self._train_loader.step_clock = self._step_clock
         # keep Lightning's epoch length right whenever sizes or the epoch change
         self._train_loader.batch_sampler.on_schedule_change = self._sync_trainer_epoch_length
         return self._train_loader
@@ -425,10 +467,26 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if syncing:
                 self._hook_state.weight = self._weighting.sync_weight()
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._step_clock is not None:
+            self._step_clock.backward_end()
         if syncing:
             assert self._weighting is not None
+            if self._norm_sink is not None:
+                self._report_gradient_norms(self._norm_sink, self._weighting)
             self._weighting.reset()
         return output
+
+    def _report_gradient_norms(self, sink: GradientNormSink, weighting: SyncWindowWeighting) -> None:
+        norms = self._hook_state.norms
+        if norms is None or not norms.local or len(norms.local) != len(norms.reduced):
+            return
+        local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
+        norms.clear()
+        own, total = weighting.window_own_samples, weighting.window_samples
+        # buckets hold (own / total) x this rank's mean gradient before the all-reduce and the global
+        # mean after it ("mean" losses); summed losses give own x and total x the means
+        local_scale, global_scale = (total / own, 1.0) if self.loss_reduction == "mean" else (1.0 / own, 1.0 / total)
+        sink(local * local_scale**2, own, reduced * global_scale**2, total)
 
     def _window_estimate(self, step: int, sizes: BatchSizes, accumulate: int) -> int:
         """Samples over all ranks from ``step`` to the end of its accumulation window, as planned now."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,15 +28,32 @@ def dynamix(*args: str, cwd: Path) -> str:
     return run([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
 
 
-def test_demo_prints_per_rank_sizes_steps_and_throughput(tmp_path):
-    output = dynamix("demo", "--batch-sizes", "8,24", "--max-steps", "20", cwd=tmp_path)
-    rows = re.findall(r"^\s+(\d)\s+(\d+)\s+(\d+)\s+(\d+)\s+[\d.]+\s+([\d.]+)$", output, flags=re.MULTILINE)
-    assert [(rank, size) for rank, size, *_ in rows] == [("0", "8"), ("1", "24")]
-    assert rows[0][2] == rows[1][2]  # the same number of steps on both ranks
-    for _, size, steps, samples, _ in rows:
-        assert int(samples) == int(size) * int(steps)
-    assert "global batch 32, 20 optimizer steps" in output
-    assert (tmp_path / "dynamix_runs" / "demo" / "version_0" / "metrics.csv").exists()
+def test_demo_compares_static_batches_with_the_callback_and_writes_a_plot(tmp_path):
+    output = dynamix("demo", "--epochs", "1", "--batch-size", "64", "--json", cwd=tmp_path)
+    summary, _ = json.JSONDecoder().raw_decode(output[output.index("{\n") :])
+    assert set(summary) == {"static", "pid"}
+    assert summary["static"]["final_batch_sizes"] == [64, 64]
+    assert sum(summary["pid"]["final_batch_sizes"]) == 128  # pid keeps the global batch
+    # rank 1 is 3x slower: pid gives it fewer samples than rank 0
+    assert summary["pid"]["final_batch_sizes"][1] < summary["pid"]["final_batch_sizes"][0]
+    for result in summary.values():
+        assert 0 < result["throughput_to_ideal"] <= 1.05
+        assert 0 <= result["final_accuracy"] <= 1
+    out = tmp_path / "dynamix_runs" / "demo"
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(json.loads((out / "demo.json").read_text())) == {"static", "pid"}
+
+
+def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_path):
+    out = tmp_path / "balance.json"
+    dynamix(
+        "bench", "balance", "--speeds", "1,1", "--schedule", "10:1:3", "--steps", "30", "--batch-size", "32",
+        "--interval", "5", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [i["step"] for i in result["intervals"]] == [10, 15, 20, 25, 30]
+    assert result["settling_intervals"] is not None
+    assert 0 < result["throughput_to_ideal_second_half"] <= 1.05
 
 
 def test_bench_overhead_reports_a_ratio_per_round(tmp_path):

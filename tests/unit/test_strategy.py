@@ -5,11 +5,8 @@ Multi-rank behaviour is tested with real process groups in tests/distributed.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -18,16 +15,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset, Weighte
 
 from lightning_dynamix import HeterogeneousBatchSampler, HeterogeneousDataLoader, HeterogeneousDDPStrategy
 
-
-@pytest.fixture(autouse=True)
-def isolated_process_group():
-    """A fit in this process initialises a 1-rank process group and sets launcher variables: undo both."""
-    environ = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
+pytestmark = pytest.mark.usefixtures("isolated_process_group")
 
 
 class Model(LightningModule):

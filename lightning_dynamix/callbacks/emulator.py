@@ -1,0 +1,126 @@
+"""Emulate a heterogeneous cluster on one machine: make ranks slower by a factor, on a schedule.
+
+:class:`HeterogeneityEmulator` makes rank ``r``'s step take ``factor_r`` times its own compute
+time by sleeping inside the step, just before backward, so the delay counts as that rank's
+compute (it delays its gradient buckets and the other ranks wait for it in the all-reduce, as
+they would for a slower machine). The rank's own compute time per sample is measured on every
+step (without the sleep); the median of the last few steps sets the next sleep, so the emulated
+slowdown follows batch-size changes and a single slow step (start-up, a hiccup) does not spread.
+Speeds can change at scheduled optimizer steps to emulate a slowdown or a recovery mid-run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
+from lightning_dynamix.metrics import StepClock
+
+_RECENT_STEPS = 5  # own per-sample compute times the next sleep is based on (their median)
+
+
+def _positive_factor(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value == float("inf"):
+        raise ValueError(f"`{name}` must be a finite number > 0 (1.0 = the rank's own speed), got {value!r}")
+    return float(value)
+
+
+class HeterogeneityEmulator(Callback):
+    """Slows ranks down by a factor each, changeable at scheduled steps. For benchmarks and tests.
+
+    Args:
+        factors: one factor per rank, ``>= 1`` to slow it down (1.0 = the rank's own speed; a factor
+            below 1 cannot speed a rank up and is treated as 1).
+        schedule: ``(step, rank, factor)`` entries: from optimizer step ``step`` on, rank ``rank``
+            runs at ``factor``.
+
+    Raises:
+        ValueError: for factors <= 0, an empty ``factors``, or a schedule entry that is malformed or
+            names a rank that does not exist.
+        MisconfigurationException: at set-up, if ``factors`` does not have one entry per rank or the
+            strategy is not ``HeterogeneousDDPStrategy`` (whose step clock measures own compute).
+    """
+
+    def __init__(self, factors: Sequence[float], schedule: Sequence[Sequence[float]] = ()) -> None:
+        if isinstance(factors, str) or not isinstance(factors, Sequence) or not factors:
+            raise ValueError(f"`factors` must be a non-empty list with one factor per rank, got {factors!r}")
+        self.factors = [_positive_factor(f"factors[{i}]", f) for i, f in enumerate(factors)]
+        entries: list[tuple[int, int, float]] = []
+        for i, entry in enumerate(schedule):
+            if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
+                raise ValueError(f"`schedule[{i}]` must be a (step, rank, factor) triple, got {entry!r}")
+            step, rank, factor = entry
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                raise ValueError(f"`schedule[{i}]` has step {step!r}; steps are ints >= 0")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self.factors):
+                raise ValueError(
+                    f"`schedule[{i}]` names rank {rank!r}, but `factors` gives {len(self.factors)} ranks"
+                    f" (0 to {len(self.factors) - 1})"
+                )
+            entries.append((step, rank, _positive_factor(f"schedule[{i}] factor", factor)))
+        self.schedule = sorted(entries, key=lambda e: e[0])
+        self._clock: StepClock | None = None
+        self._rank = 0
+        self._per_sample: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._slept = 0.0
+        self._slept_step: int | None = None
+
+    def factor_at(self, rank: int, step: int) -> float:
+        """Rank ``rank``'s factor at optimizer step ``step``."""
+        factor = self.factors[rank]
+        for when, who, value in self.schedule:
+            if when > step:
+                break
+            if who == rank:
+                factor = value
+        return factor
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = _heterogeneous_strategy(trainer, type(self).__name__)
+        if len(self.factors) != trainer.world_size:
+            raise MisconfigurationException(
+                f"HeterogeneityEmulator(factors={self.factors}) has {len(self.factors)} factors but the job has"
+                f" {trainer.world_size} ranks; give one factor per rank."
+            )
+        self._clock = strategy.enable_step_clock()
+        self._rank = trainer.global_rank
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        assert self._clock is not None
+        last = self._clock.last_step
+        if last is not None and self._slept_step is not None and last.batch_size > 0:
+            self._per_sample.append(max(0.0, last.compute_time - self._slept) / last.batch_size)
+        self._slept, self._slept_step = 0.0, None
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        assert self._clock is not None
+        strategy = trainer.strategy
+        sizes = getattr(strategy, "current_batch_sizes", None)
+        factor = self.factor_at(self._rank, trainer.global_step)
+        self._slept_step = trainer.global_step
+        if sizes is None or not self._per_sample or factor <= 1.0:
+            return
+        seconds = (factor - 1.0) * statistics.median(self._per_sample) * sizes[self._rank]
+        time.sleep(seconds)
+        self._slept += seconds
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        assert self._clock is not None
+        self._clock.step_end()  # closes the step if no measuring callback did

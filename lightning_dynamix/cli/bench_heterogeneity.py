@@ -1,0 +1,214 @@
+"""``dynamix bench balance`` and ``dynamix bench tta``: what rebalancing buys on an emulated cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from lightning_dynamix.cli.bench import _machine
+from lightning_dynamix.cli.experiments import RunConfig, RunResult, is_launcher_rank_zero, run
+from lightning_dynamix.cli.plots import plot_runs
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(","))
+
+
+def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
+    """``STEP:RANK:FACTOR[,STEP:RANK:FACTOR...]``"""
+    entries = []
+    for item in text.split(","):
+        step, rank, factor = item.split(":")
+        entries.append((int(step), int(rank), float(factor)))
+    return tuple(entries)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speeds", type=_floats, default=(1.0, 3.0), help="slowdown per rank (default 1,3)")
+    parser.add_argument("--batch-size", type=int, default=256, help="initial batch size of every rank (default 256)")
+    parser.add_argument("--interval", type=int, default=5, help="optimizer steps per decision (default 5)")
+    parser.add_argument("--hidden", type=int, default=256, help="width of the classifier's layers (default 256)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+
+
+def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    parser.add_argument("--controller", default="pid", help="static, pid or goodput (default pid)")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument(
+        "--schedule",
+        type=_schedule,
+        default=(),
+        help="speed changes STEP:RANK:FACTOR,... (e.g. 50:1:3 makes rank 1 3x slower from step 50)",
+    )
+
+
+def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
+    """Decisions after ``change_step`` until the sizes stay within ``tolerance`` of the run's final ones.
+
+    Counts the decisions taken after the change up to and including the first one from which
+    every later decision is within ``tolerance`` (relative, per rank) of the last decision;
+    ``None`` when there were no decisions after the change.
+    """
+    after = [i["next_batch_sizes"] for i in result.intervals if i["step"] > change_step and i["next_batch_sizes"]]
+    if not after:
+        return None
+    final = after[-1]
+
+    def close(sizes: list[int]) -> bool:
+        return all(abs(b - f) <= tolerance * f for b, f in zip(sizes, final, strict=True))
+
+    settled = len(after)
+    while settled > 0 and close(after[settled - 1]):
+        settled -= 1
+    return settled + 1
+
+
+def _ratio_after(result: RunResult, step: int) -> float:
+    ratios = [i["throughput"] / i["ideal_throughput"] for i in result.intervals if i["step"] > step]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def run_balance(args: argparse.Namespace) -> None:
+    config = RunConfig(
+        controller=args.controller,
+        speeds=args.speeds,
+        batch_size=args.batch_size,
+        epochs=1000,
+        max_steps=args.steps,
+        interval=args.interval,
+        hidden=args.hidden,
+        schedule=args.schedule,
+        val_checks_per_epoch=1,
+    )
+    result = run(config)
+    if not is_launcher_rank_zero() or result is None:
+        return
+    half = args.steps // 2
+    change = args.schedule[0][0] if args.schedule else None
+    summary: dict[str, Any] = {
+        "benchmark": "balance",
+        "controller": args.controller,
+        "speeds": list(args.speeds),
+        "throughput_to_ideal_second_half": _ratio_after(result, half),
+        "throughput_to_ideal_all": result.throughput_to_ideal,
+        "final_batch_sizes": result.intervals[-1]["next_batch_sizes"] if result.intervals else None,
+        "settling_intervals": None if change is None else settling_intervals(result, change),
+        "throughput_to_ideal_after_settling": None,
+        "intervals": result.intervals,
+        "config": result.config,
+        "machine": _machine(),
+    }
+    if change is not None and summary["settling_intervals"] is not None:
+        settled_step = change + args.interval * summary["settling_intervals"]
+        summary["throughput_to_ideal_after_settling"] = _ratio_after(result, settled_step)
+    if args.output is not None:
+        args.output.write_text(json.dumps(summary, indent=2))
+    if args.plot is not None:
+        plot_runs({args.controller: result}, args.plot, title=f"speeds {list(args.speeds)}")
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "intervals"}, indent=2))
+        return
+    print(
+        f"\ndynamix bench balance: {len(args.speeds)} processes, speeds {list(args.speeds)},"
+        f" controller {args.controller}, {args.steps} steps, decisions every {args.interval}"
+    )
+    print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
+    for i in result.intervals:
+        compute = ", ".join(f"{1e3 * c:.1f}" for c in i["compute_time"])
+        sizes = ",".join(map(str, i["batch_sizes"]))
+        print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
+    print(f"throughput / ideal, median over the second half: {summary['throughput_to_ideal_second_half']:.3f}")
+    if change is not None:
+        print(
+            f"after the speed change at step {change}: settled in {summary['settling_intervals']} decision(s);"
+            f" throughput / ideal after settling {summary['throughput_to_ideal_after_settling']:.3f}"
+        )
+
+
+def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
+    _common(parser)
+    parser.add_argument("--controllers", default="static,pid,goodput", help="comma-separated (default all three)")
+    parser.add_argument("--seeds", type=int, default=3, help="runs per controller, seeds 0..N-1 (default 3)")
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs per run (default 3)")
+    parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
+    parser.add_argument("--lr", type=float, default=0.05, help="learning rate at the initial global batch")
+    parser.add_argument(
+        "--lr-scaling", default="none", help="rule when the global batch changes: none, linear, sqrt, adascale"
+    )
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def run_tta(args: argparse.Namespace) -> None:
+    controllers = args.controllers.split(",")
+    results: dict[str, list[RunResult]] = {c: [] for c in controllers}
+    for seed in range(args.seeds):
+        for controller in controllers:  # interleaved: drift on the machine hits all alike
+            config = RunConfig(
+                controller=controller,
+                speeds=args.speeds,
+                batch_size=args.batch_size,
+                epochs=args.epochs,
+                interval=args.interval,
+                hidden=args.hidden,
+                lr=args.lr,
+                lr_scaling=args.lr_scaling,
+                target_accuracy=args.target_accuracy,
+                seed=seed,
+            )
+            result = run(config)
+            if result is not None:
+                results[controller].append(result)
+    if not is_launcher_rank_zero():
+        return
+    table = {}
+    for controller, runs in results.items():
+        reached = [r.time_to_target for r in runs if r.time_to_target is not None]
+        table[controller] = {
+            "runs": len(runs),
+            "reached_target": len(reached),
+            "median_time_to_target": _median(reached) if len(reached) == len(runs) else None,
+            "times_to_target": [r.time_to_target for r in runs],
+            "median_final_accuracy": _median([r.final_accuracy for r in runs]),
+            "median_train_seconds": _median([r.train_seconds for r in runs]),
+            "median_throughput_to_ideal": _median([r.throughput_to_ideal for r in runs]),
+        }
+    output = {
+        "benchmark": "tta",
+        "speeds": list(args.speeds),
+        "target_accuracy": args.target_accuracy,
+        "controllers": table,
+        "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},
+        "machine": _machine(),
+    }
+    if args.output is not None:
+        args.output.write_text(json.dumps(output, indent=2))
+    if args.plot is not None:
+        plot_runs({c: rs[0] for c, rs in results.items() if rs}, args.plot, title="seed 0")
+    if args.json:
+        print(json.dumps({k: v for k, v in output.items() if k != "runs"}, indent=2))
+        return
+    print(
+        f"\ndynamix bench tta: speeds {list(args.speeds)}, {args.epochs} epochs, target accuracy"
+        f" {args.target_accuracy}, {args.seeds} seeds (medians)"
+    )
+    print(
+        f"{'controller':>10}  {'time to target (s)':>18}  {'reached':>7}  {'final accuracy':>14}"
+        f"  {'training time (s)':>17}  {'throughput / ideal':>18}"
+    )
+    for controller, row in table.items():
+        tta = row["median_time_to_target"]
+        tta_text = f"{tta:.1f}" if tta is not None else "-"
+        print(
+            f"{controller:>10}  {tta_text:>18}  {row['reached_target']:>3}/{row['runs']:<3}"
+            f"  {row['median_final_accuracy']:>14.3f}  {row['median_train_seconds']:>17.1f}"
+            f"  {row['median_throughput_to_ideal']:>18.3f}"
+        )

@@ -1,0 +1,218 @@
+"""Heterogeneous training runs for ``dynamix demo`` and ``dynamix bench balance|tta``.
+
+One run trains the built-in classification workload on ``len(speeds)`` processes, one rank per
+process, with :class:`~lightning_dynamix.callbacks.HeterogeneityEmulator` making rank ``r``
+``speeds[r]`` times slower, and a :class:`~lightning_dynamix.callbacks.DynamixCallback` with the
+chosen controller (``"static"`` measures the same way and never changes a size). It records the
+callback's gathered states, the validation accuracy against training time (validation itself
+excluded), and what the run achieved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
+
+from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run: the cluster, the controller and the training budget.
+
+    Attributes:
+        controller: ``"static"``, ``"pid"`` or ``"goodput"``.
+        speeds: slowdown factor per rank (1.0 = the rank's own speed); one process per entry.
+        batch_size: every rank's initial batch size (samples).
+        epochs: training epochs (the budget every controller gets: the same data).
+        max_steps: stop after this many optimizer steps instead (-1: no limit).
+        interval: optimizer steps between decisions.
+        warmup_steps: steps before the first measured interval.
+        lr: learning rate at the initial global batch.
+        lr_scaling: rule for the learning rate when the global batch changes.
+        target_accuracy: validation accuracy whose first crossing is the time to accuracy.
+        val_checks_per_epoch: validations per epoch (time to accuracy is resolved this finely).
+        seed: seed of the data, the initial weights and the training order.
+        schedule: ``(step, rank, factor)`` speed changes during the run.
+        max_batch_size: the largest batch size a rank may be given.
+        hidden: width of the classifier's hidden layers.
+        num_samples: training samples per epoch.
+    """
+
+    controller: str = "pid"
+    speeds: tuple[float, ...] = (1.0, 3.0)
+    batch_size: int = 64
+    epochs: int = 4
+    max_steps: int = -1
+    interval: int = 5
+    warmup_steps: int = 5
+    lr: float = 0.05
+    lr_scaling: str = "none"
+    target_accuracy: float = 0.85
+    val_checks_per_epoch: int = 4
+    seed: int = 0
+    schedule: tuple[tuple[int, int, float], ...] = ()
+    max_batch_size: int = 1024
+    hidden: int = 256
+    num_samples: int = 16384
+
+
+@dataclass
+class RunResult:
+    """What one run achieved (times in seconds of training, validation excluded).
+
+    Attributes:
+        throughput_to_ideal: median over the measured intervals of achieved samples/s divided by
+            the ideal ``sum_r s_r`` measured in the same interval.
+        time_to_target: training seconds until validation accuracy first reached the target
+            (``None`` if it never did).
+        final_accuracy: validation accuracy at the end.
+        intervals: per decision: step, training seconds, sizes, per-rank step and compute times,
+            throughput, ideal throughput.
+        accuracy: per validation: training seconds, step, accuracy.
+    """
+
+    config: dict[str, Any]
+    train_seconds: float
+    steps: int
+    samples: int
+    throughput_to_ideal: float
+    time_to_target: float | None
+    final_accuracy: float
+    intervals: list[dict[str, Any]] = field(default_factory=list)
+    accuracy: list[dict[str, float]] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TrainingClock(Callback):
+    """Training time without validation, and the validation accuracy at each check."""
+
+    def __init__(self) -> None:
+        self.points: list[dict[str, float]] = []
+        self.train_seconds = 0.0
+        self.samples = 0
+        self._start = 0.0
+        self._validation_seconds = 0.0
+        self._validation_start: float | None = None
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    @override
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validation_start = time.perf_counter()
+
+    @override
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validation_start is None:
+            return
+        now = time.perf_counter()
+        self._validation_seconds += now - self._validation_start
+        self._validation_start = None
+        accuracy = float(trainer.callback_metrics["val_acc"])
+        self.points.append({"seconds": self.elapsed(now), "step": trainer.global_step, "accuracy": accuracy})
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        sizes = getattr(trainer.strategy, "current_batch_sizes", None)
+        if sizes:
+            self.samples += sum(sizes)
+
+    def elapsed(self, now: float | None = None) -> float:
+        """Training seconds so far (validation excluded)."""
+        return (time.perf_counter() if now is None else now) - self._start - self._validation_seconds
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.train_seconds = self.elapsed()
+
+
+def run(config: RunConfig) -> RunResult | None:
+    """Train once; returns the result on global rank 0 and ``None`` on the other ranks."""
+    world = len(config.speeds)
+    dynamix = DynamixCallback(
+        config.controller,
+        interval=config.interval,
+        warmup_steps=config.warmup_steps,
+        lr_scaling=config.lr_scaling,
+        max_batch_size=config.max_batch_size,
+    )
+    clock = TrainingClock()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=HeterogeneousDDPStrategy(
+            batch_sizes=[config.batch_size] * world,
+            max_batch_size=config.max_batch_size,
+            seed=config.seed,
+            timeout=timedelta(seconds=120),
+        ),
+        max_epochs=config.epochs,
+        max_steps=config.max_steps,
+        val_check_interval=1.0 / config.val_checks_per_epoch,
+        num_sanity_val_steps=0,
+        callbacks=[HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule)), dynamix, clock],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = ClassificationDataModule(num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed)
+    model = ClassificationTask(hidden=config.hidden, lr=config.lr, seed=config.seed)
+    trainer.fit(model, datamodule=data)
+    if not trainer.is_global_zero:
+        return None
+    intervals = []
+    for record in dynamix.history:
+        state = record.state
+        intervals.append(
+            {
+                "step": record.step,
+                "seconds": record.time,
+                "batch_sizes": list(state.batch_sizes),
+                "next_batch_sizes": list(record.decision.batch_sizes) if record.decision else None,
+                "step_time": [w.step_time for w in state.workers],
+                "compute_time": [w.compute_time for w in state.workers],
+                "data_time": [w.data_time for w in state.workers],
+                "sync_wait": [w.sync_wait for w in state.workers],
+                "comm_time": [w.comm_time for w in state.workers],
+                "throughput": state.throughput,
+                "ideal_throughput": state.ideal_throughput,
+                "gradient_noise_scale": state.gradient_noise_scale,
+                "lr": state.lr,
+            }
+        )
+    ratios = [i["throughput"] / i["ideal_throughput"] for i in intervals if i["ideal_throughput"] > 0]
+    target = next((p for p in clock.points if p["accuracy"] >= config.target_accuracy), None)
+    return RunResult(
+        config=asdict(config),
+        train_seconds=clock.train_seconds,
+        steps=trainer.global_step,
+        samples=clock.samples,
+        throughput_to_ideal=statistics.median(ratios) if ratios else math.nan,
+        time_to_target=None if target is None else target["seconds"],
+        final_accuracy=clock.points[-1]["accuracy"] if clock.points else math.nan,
+        intervals=intervals,
+        accuracy=clock.points,
+    )
+
+
+def is_launcher_rank_zero() -> bool:
+    """Whether this process is the one the user started (Lightning's launcher starts the others)."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0

@@ -1,0 +1,295 @@
+"""Pollux's goodput, for ranks of unequal speed: choose the global batch and its split together.
+
+Pollux (AdaptDL, OSDI'21) picks the global batch ``B`` that maximises goodput = throughput x
+statistical efficiency, but gives every replica the same local batch. :class:`GoodputController`
+keeps the objective and drops that restriction: for each candidate ``B`` it splits the batch so
+that every rank finishes at the same time, which is what makes heterogeneous ranks worth having.
+
+Models, refitted at every decision:
+
+* step time of rank ``i`` at local batch ``b``: ``t_i(b) = alpha_i + beta_i * b`` seconds, a least
+  squares fit over the rank's last ``window`` observations ``(b_i, compute_time_i + data_time_i)``
+  (a NaN data time counts as 0). With a single distinct size among them, or a fit that is not
+  physical (``beta <= 0`` or ``alpha < 0``), the proportional model ``t = beta * b`` through the
+  observations is used instead (``alpha = 0``). When a new observation is more than 25% away from
+  the rank's model's prediction, the rank's speed has changed (throttling, a neighbour): its older
+  observations are dropped.
+* synchronisation: a constant cost per step, ``overhead`` = the median over ranks of ``comm_time``
+  (seconds; ranks with a NaN ``comm_time`` are ignored, 0 if none is known). It is what makes a
+  bigger batch cheaper per sample, together with the ``alpha_i``.
+* the split of ``B``: the common time ``T`` with ``sum_i clip((T - alpha_i) / beta_i, lower_i, upper_i) = B``
+  (in proportion to speed when ``alpha = 0``), rounded by largest remainders to sizes that sum to
+  ``B``; predicted step time ``T(B) = max_i t_i(b_i) + overhead``.
+* statistical efficiency relative to the base batch ``B0``: ``E(B) = (B_noise + B0) / (B_noise + B)``,
+  with ``B_noise = state.gradient_noise_scale`` (samples).
+* goodput ``G(B) = B / T(B) * E(B)`` samples/s of "``B0``-equivalent progress".
+
+``B`` is searched on a geometric grid of ``grid_points`` values between ``min_global_batch`` and
+``max_global_batch`` (plus the current global batch). While the noise scale is unknown (NaN or
+negative: warm-up, a single rank) the global batch is kept and only its split is rebalanced.
+Dead band: the best candidate replaces the current sizes only if its predicted goodput beats the
+predicted goodput of the current sizes by more than ``dead_band`` (relative), so the sizes do not
+flap on noise.
+
+The learning rate follows ``lr_scaling`` (AdaScale by default, as in Pollux), relative to ``B0``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_dynamix.control.base import Decision
+from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
+from lightning_dynamix.control.pid import (
+    own_busy_time,
+    resolve_bounds,
+    round_to_total,
+    validate_bound,
+    validate_bound_pair,
+    validate_number,
+)
+from lightning_dynamix.metrics.state import ClusterState
+
+# relative distance between an observation and the model's prediction beyond which the rank's
+# speed is taken to have changed and its older observations are forgotten
+_SPEED_CHANGE_TOLERANCE = 0.25
+
+
+def fit_step_time(observations: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Fit ``t = alpha + beta * b`` (seconds, ``b`` in samples) to ``(b, t)`` observations.
+
+    Least squares over the observations; with a single distinct ``b``, or when the fit gives
+    ``beta <= 0`` or ``alpha < 0``, the proportional model ``t = beta * b`` (least squares through
+    the origin) is returned as ``(0.0, beta)``.
+
+    Raises:
+        ValueError: without observations.
+    """
+    if not observations:
+        raise ValueError("`observations` must hold at least one (batch size, time) pair, got none")
+    sizes = [float(b) for b, _ in observations]
+    times = [float(t) for _, t in observations]
+    if len(set(sizes)) >= 2:
+        mean_b = sum(sizes) / len(sizes)
+        mean_t = sum(times) / len(times)
+        var_b = sum((b - mean_b) ** 2 for b in sizes)
+        beta = sum((b - mean_b) * (t - mean_t) for b, t in zip(sizes, times)) / var_b
+        alpha = mean_t - beta * mean_b
+        if beta > 0 and alpha >= 0:
+            return alpha, beta
+    return 0.0, sum(b * t for b, t in zip(sizes, times)) / sum(b * b for b in sizes)
+
+
+def equal_time_split(
+    total: int,
+    alphas: Sequence[float],
+    betas: Sequence[float],
+    lower: Sequence[int],
+    upper: Sequence[int | None],
+) -> tuple[int, ...]:
+    """Split ``total`` samples so that every rank's ``alpha_i + beta_i * b_i`` is the same, within bounds.
+
+    Ranks that would fall below ``lower_i`` or rise above ``upper_i`` are held at the bound and the
+    rest share the remainder at a common time; the result is rounded by largest remainders to sum
+    to ``total`` exactly (or to the closest total the bounds allow).
+    """
+    n = len(alphas)
+    if total <= sum(lower):
+        return round_to_total([float(v) for v in lower], total, lower, upper)
+    if all(u is not None for u in upper) and total >= sum(u for u in upper if u is not None):
+        return round_to_total([float(u) for u in upper if u is not None], total, lower, upper)
+
+    def sizes_at(common: float) -> list[float]:
+        out = []
+        for i in range(n):
+            b = max((common - alphas[i]) / betas[i], float(lower[i]))
+            out.append(b if upper[i] is None else min(b, float(upper[i])))  # type: ignore[arg-type]
+        return out
+
+    low = min(alphas[i] + betas[i] * lower[i] for i in range(n))
+    high = max(alphas[i] + betas[i] * total for i in range(n))
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if sum(sizes_at(mid)) < total:
+            low = mid
+        else:
+            high = mid
+    return round_to_total(sizes_at(high), total, lower, upper)
+
+
+def statistical_efficiency(global_batch: float, base_global_batch: float, noise_scale: float) -> float:
+    """Progress per sample at ``global_batch`` relative to ``base_global_batch``: ``(B_noise + B0) / (B_noise + B)``."""
+    return (noise_scale + base_global_batch) / (noise_scale + global_batch)
+
+
+class GoodputController:
+    """Choose the global batch that maximises goodput, split so that all ranks finish together.
+
+    See the module docstring for the models and the search.
+
+    Args:
+        base_batch_size: the global batch ``B0`` the job's learning rate was set for, samples;
+            ``None`` takes the global batch of the first state seen. Statistical efficiency and
+            learning-rate scale are relative to it.
+        min_global_batch: smallest global batch to consider, samples; ``None`` for ``B0``.
+        max_global_batch: largest global batch to consider, samples; ``None`` for ``8 * B0``.
+            Both are further limited by the per-rank bounds times the world size.
+        min_batch_size: smallest size of a rank, samples: one int for all ranks or one per rank.
+            Intersected with ``ClusterState.min_batch_size``.
+        max_batch_size: largest size of a rank, samples: one int, one per rank, or ``None`` for no
+            limit. Intersected with ``ClusterState.max_batch_size``.
+        window: observations per rank the step-time model is fitted on, >= 2.
+        grid_points: number of global batch sizes tried between the limits, >= 2.
+        dead_band: keep the current sizes unless the best candidate's predicted goodput is higher
+            by more than this fraction, in ``[0, 1)``.
+        lr_scaling: learning-rate rule relative to ``B0``; one of
+            :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
+
+    Raises:
+        ValueError: naming the argument, the value and what is valid, for any bad argument.
+    """
+
+    def __init__(
+        self,
+        base_batch_size: int | None = None,
+        min_global_batch: int | None = None,
+        max_global_batch: int | None = None,
+        min_batch_size: int | Sequence[int] = 1,
+        max_batch_size: int | Sequence[int] | None = None,
+        window: int = 8,
+        grid_points: int = 32,
+        dead_band: float = 0.02,
+        lr_scaling: str = "adascale",
+    ) -> None:
+        self.base_batch_size = _validate_optional_int(base_batch_size, "base_batch_size", 1)
+        self.min_global_batch = _validate_optional_int(min_global_batch, "min_global_batch", 1)
+        self.max_global_batch = _validate_optional_int(max_global_batch, "max_global_batch", 1)
+        if (
+            self.min_global_batch is not None
+            and self.max_global_batch is not None
+            and self.min_global_batch > self.max_global_batch
+        ):
+            raise ValueError(
+                f"`min_global_batch` must be <= `max_global_batch`, got min_global_batch={self.min_global_batch}"
+                f" and max_global_batch={self.max_global_batch}."
+            )
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
+        validate_bound_pair(self.min_batch_size, self.max_batch_size)
+        self.window = _validate_int(window, "window", 2)
+        self.grid_points = _validate_int(grid_points, "grid_points", 2)
+        self.dead_band = validate_number(dead_band, "dead_band", 0.0, 1.0, low_open=False, high_open=True)
+        self.lr_scaling = validate_lr_scaling(lr_scaling)
+        self._base_global_batch: int | None = base_batch_size
+        self._observations: list[list[tuple[int, float]]] = []
+
+    def decide(self, state: ClusterState) -> Decision:
+        """New per-rank sizes, and the learning-rate scale for their global batch (see the module docstring)."""
+        current = state.batch_sizes
+        n = state.world_size
+        if self._base_global_batch is None:
+            self._base_global_batch = state.global_batch
+        base = self._base_global_batch
+        noise = state.gradient_noise_scale
+        busy = [own_busy_time(w) for w in state.workers]
+        if any(not (math.isfinite(t) and t > 0) for t in busy):
+            return self._decision(current, noise)
+        self._observe(current, busy)
+        models = [fit_step_time(obs) for obs in self._observations]
+        alphas = [a for a, _ in models]
+        betas = [b for _, b in models]
+        comm = [w.comm_time for w in state.workers if math.isfinite(w.comm_time) and w.comm_time >= 0]
+        overhead = statistics.median(comm) if comm else 0.0
+        lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
+        noise_known = math.isfinite(noise) and noise >= 0
+
+        def goodput(sizes: Sequence[int]) -> float:
+            step = max(alphas[i] + betas[i] * sizes[i] for i in range(n)) + overhead
+            efficiency = statistical_efficiency(sum(sizes), base, noise) if noise_known else 1.0
+            return sum(sizes) / step * efficiency
+
+        within_bounds = all(lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper))
+        # sizes outside the bounds must change whatever the prediction says
+        current_goodput = goodput(current) if within_bounds else 0.0
+        best, best_goodput = current, current_goodput
+        for total in self._candidates(state.global_batch, base, lower, upper, noise_known):
+            sizes = equal_time_split(total, alphas, betas, lower, upper)
+            value = goodput(sizes)
+            if value > best_goodput:
+                best, best_goodput = sizes, value
+        if best_goodput <= (1.0 + self.dead_band) * current_goodput:
+            best = current
+        return self._decision(best, noise)
+
+    def _observe(self, sizes: Sequence[int], times: Sequence[float]) -> None:
+        if len(self._observations) != len(sizes):
+            self._observations = [[] for _ in sizes]
+        for obs, b, t in zip(self._observations, sizes, times):
+            if obs:
+                alpha, beta = fit_step_time(obs)
+                predicted = alpha + beta * b
+                if abs(t - predicted) > _SPEED_CHANGE_TOLERANCE * predicted:
+                    obs.clear()
+            obs.append((int(b), float(t)))
+            del obs[: -self.window]
+
+    def _candidates(
+        self, current_total: int, base: int, lower: Sequence[int], upper: Sequence[int | None], noise_known: bool
+    ) -> list[int]:
+        """Global batch sizes to try: the current one, and a geometric grid when the noise scale is known."""
+        floor = sum(lower)
+        ceiling = sum(u for u in upper if u is not None) if all(u is not None for u in upper) else None
+        if not noise_known:
+            return [current_total]
+        low = self.min_global_batch if self.min_global_batch is not None else base
+        high = self.max_global_batch if self.max_global_batch is not None else 8 * base
+        low, high = max(low, floor), max(high, floor)
+        if ceiling is not None:
+            low, high = min(low, ceiling), min(high, ceiling)
+        high = max(high, low)
+        grid = {low, high, min(max(current_total, low), high)}
+        ratio = high / low
+        for k in range(1, self.grid_points - 1):
+            grid.add(round(low * ratio ** (k / (self.grid_points - 1))))
+        return sorted(grid)
+
+    def _decision(self, sizes: Sequence[int], noise: float) -> Decision:
+        base = self._base_global_batch or sum(sizes)
+        return Decision(batch_sizes=tuple(sizes), lr_scale=lr_scale(self.lr_scaling, sum(sizes), base, noise))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base global batch (samples) and every rank's recent ``[batch size, busy time]`` observations."""
+        return {
+            "base_global_batch": self._base_global_batch,
+            "observations": [[[b, t] for b, t in obs] for obs in self._observations],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, so the next decision is the one the saved controller would make."""
+        base = state_dict.get("base_global_batch")
+        self._base_global_batch = None if base is None else int(base)
+        self._observations = [[(int(b), float(t)) for b, t in obs] for obs in state_dict.get("observations", [])]
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(base_batch_size={self.base_batch_size}, min_global_batch={self.min_global_batch},"
+            f" max_global_batch={self.max_global_batch}, window={self.window}, grid_points={self.grid_points},"
+            f" dead_band={self.dead_band}, lr_scaling={self.lr_scaling!r})"
+        )
+
+
+def _validate_int(value: object, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def _validate_optional_int(value: object, name: str, minimum: int) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"`{name}` must be an int >= {minimum} (samples) or None for the default, got {value!r}.")
+    return value

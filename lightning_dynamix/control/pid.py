@@ -1,0 +1,502 @@
+"""Equal iteration times on unequal ranks: the Tyagi & Sharma / OmniLearn controller, as a PID loop.
+
+In synchronous data parallelism every rank waits for the slowest one at each all-reduce, so the
+job runs best when every rank's own work per step takes the same time. :class:`PIDController`
+moves samples from slow ranks to fast ones until it does, keeping the global batch (and so the
+optimisation) unchanged.
+
+The control law, per decision interval:
+
+* measured own speed of rank ``i``: ``s_i = b_i / t_i`` samples/s, with ``t_i`` the rank's own busy
+  time per step, ``compute_time + data_time`` seconds (a NaN ``data_time`` counts as 0). Waits for
+  other ranks are excluded on purpose: they are the symptom, not the cause. While a rank's size
+  stays the same its speed is smoothed with an exponential moving average
+  ``s~_i <- smoothing * s~_i + (1 - smoothing) * s_i``; when its size changed, the average restarts
+  from the new measurement (with affine times a speed measured at another size is another operating
+  point, and averaging across them would only add lag).
+* error of rank ``i``, in shares of the global batch: ``e_i = p_i - q_i``, with target share
+  ``p_i = s~_i / sum_j s~_j`` and current share ``q_i = b_i / sum_j b_j``; ``sum_i e_i = 0``.
+* new share ``q_i' = q_i + kp * g_i * e_i + ki * I_i + kd * (e_i - e_i_prev)``, with ``I_i`` the sum
+  of the errors of the intervals that changed the sizes and ``g_i`` the secant gain below (1 with
+  ``adaptive_gain=False``).
+
+At ``kp = 1, ki = kd = 0, g = 1`` the new sizes are exactly proportional to the measured speeds with
+the same total: the OmniLearn step ``b_i' = b_i - (b_i / t_i) (t_i - t_mean)``, renormalised to keep
+the global batch. When step times are proportional to the batch (``t_i = c_i b_i``) speeds do not
+depend on the sizes and one step lands on the balanced split. When they are affine
+(``t_i = a_i + c_i b_i``), a rank's speed grows with its batch and the step falls short: the error
+shrinks only by the factor ``a_i / t_i`` per interval (never changing sign, never oscillating, but
+slowly when the fixed cost dominates).
+
+Secant gain (``adaptive_gain=True``, default): one interval after a change, each rank's response
+to it is measured, ``m_i = (e_i_before - e_i_now) / (q_i_now - q_i_before)``: 1 when times are
+proportional to the batch, ``1 - a_i / t_i`` when they are affine. The next step is divided by it,
+``g_i = 1 / m_i`` clipped to ``[1, 3]``: a secant (Newton) step on the error, which lands on equal
+times in about one more interval. It is only used where the evidence is clear: right after a
+change of at least 5% of the rank's share that fell short (the error kept its sign), with both
+errors from the raw, unsmoothed speeds (a smoothed one lags a change of speed and would fake a
+shortfall). Otherwise ``g_i = 1``, so it can only speed up convergence the plain law already has.
+
+``ki`` and ``kd`` default to 0: the update is already incremental (the sizes integrate the error),
+so an integral term makes a double integrator that overshoots on a static plant, and a derivative
+term kicks back after every successful step. ``ki > 0`` is for speeds that drift steadily (a slowly
+throttling device): it removes the lag in following a ramp.
+
+The new shares become integer sizes by splitting the global batch in proportion to them within
+the per-rank bounds (:func:`split_in_proportion`: overflow at a bound is spread over the other
+ranks, the total is kept exactly by largest-remainder rounding). Two things keep the sizes still:
+
+* dead band: if every rank's relative change ``|b_i' - b_i| / b_i`` is below ``dead_band``, the
+  current sizes are kept exactly and the integral is reset to 0: errors too small to act on never
+  wind it up, and an integral frozen at its last value would hold the sizes off balance for good;
+* anti-windup at the bounds: a rank held at a bound (or at the ``max_change`` cap) does not add
+  its error to its integral.
+
+What it cannot do: with a fixed cost that dominates the step (``a_i >> c_i b_i``) the speeds barely
+depend on the split, the proposed change stays inside the dead band and an imbalance of a few times
+``dead_band`` can remain; :class:`~lightning_dynamix.control.goodput.GoodputController` fits the
+affine model and handles that case.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_dynamix.control.base import Decision, per_rank_bounds
+from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
+from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
+
+# the smallest share a rank's weight may reach before it is split: keeps weights positive
+_MIN_SHARE = 1e-6
+# the secant gain is only estimated from a step of at least this fraction of the rank's share, and
+# never exceeds _MAX_SECANT_GAIN (enough for a fixed cost of up to 2/3 of the step time)
+_SECANT_MIN_STEP = 0.05
+_MAX_SECANT_GAIN = 3.0
+# the integral (in shares of the global batch) is never allowed to exceed this in magnitude
+_INTEGRAL_LIMIT = 1.0
+
+BoundArg = int | Sequence[int] | None
+
+
+# --------------------------------------------------------------------------------------------------
+# splitting a global batch over ranks: shared by every controller
+# --------------------------------------------------------------------------------------------------
+
+
+def resolve_bounds(
+    state: ClusterState, min_batch_size: BoundArg = None, max_batch_size: BoundArg = None
+) -> tuple[list[int], list[int | None]]:
+    """Per-rank ``[lower, upper]`` sizes (samples) from a controller's bounds and the state's.
+
+    Each rank's range is the intersection of the controller's bound (one int for all ranks or one
+    per rank) with ``state.min_batch_size`` / ``state.max_batch_size`` and with ``>= 1``. Where the
+    intersection is empty the upper bound wins (it is usually a memory limit): lower = upper.
+
+    Raises:
+        ValueError: when a per-rank bound does not have one entry per rank.
+    """
+    n = state.world_size
+    lows = per_rank_bounds(min_batch_size, n, "min_batch_size", 1)
+    highs = per_rank_bounds(max_batch_size, n, "max_batch_size", None)
+    lower: list[int] = []
+    upper: list[int | None] = []
+    for low, high in zip(lows, highs):
+        lo = max(1, int(low or 1), int(state.min_batch_size))
+        caps = [int(c) for c in (high, state.max_batch_size) if c is not None]
+        hi = max(1, min(caps)) if caps else None
+        if hi is not None and lo > hi:
+            lo = hi
+        lower.append(lo)
+        upper.append(hi)
+    return lower, upper
+
+
+def _fill(weights: Sequence[float], total: float, lower: Sequence[float], upper: Sequence[float | None]) -> list[float]:
+    """Continuous ``x_i = clip(lam * w_i, lower_i, upper_i)`` with ``sum x = total`` (or the nearest bound)."""
+    n = len(weights)
+    if sum(lower) >= total:
+        return [float(v) for v in lower]
+    if all(u is not None for u in upper) and sum(u for u in upper if u is not None) <= total:
+        return [float(u) for u in upper if u is not None]
+
+    def filled(lam: float) -> float:
+        return sum(_clip(lam * weights[i], lower[i], upper[i]) for i in range(n))
+
+    # f(lam) is continuous, non-decreasing and linear between the points where a rank leaves a bound
+    points = sorted({lower[i] / weights[i] for i in range(n)} | {u / weights[i] for i, u in enumerate(upper) if u})
+    prev_lam, prev_f = 0.0, filled(0.0)
+    for lam in points:
+        f = filled(lam)
+        if f >= total:
+            lam_star = prev_lam + (total - prev_f) * (lam - prev_lam) / (f - prev_f) if f > prev_f else lam
+            return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
+        prev_lam, prev_f = lam, f
+    # beyond the last point only ranks without an upper bound still grow
+    slope = sum(weights[i] for i in range(n) if upper[i] is None)
+    lam_star = prev_lam + (total - prev_f) / slope
+    return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
+
+
+def _clip(value: float, low: float, high: float | None) -> float:
+    value = max(value, low)
+    return value if high is None else min(value, high)
+
+
+def round_to_total(
+    values: Sequence[float], total: int, lower: Sequence[int], upper: Sequence[int | None]
+) -> tuple[int, ...]:
+    """Round non-negative real sizes to ints within ``[lower_i, upper_i]`` that sum to ``total``.
+
+    Largest-remainder rounding: every size is rounded down, then the samples still missing go one
+    each to the ranks with the largest fractional parts (ties to the lower rank) that are below
+    their upper bound. If the bounds make ``total`` impossible, the result is the closest sum the
+    bounds allow.
+    """
+    sizes = [max(lo, math.floor(v + 1e-9)) for v, lo in zip(values, lower)]
+    sizes = [s if hi is None else min(s, hi) for s, hi in zip(sizes, upper)]
+    missing = total - sum(sizes)
+    while missing > 0:
+        grow = [i for i in range(len(sizes)) if upper[i] is None or sizes[i] < upper[i]]  # type: ignore[operator]
+        if not grow:
+            break
+        i = max(grow, key=lambda j: (values[j] - sizes[j], -j))
+        sizes[i] += 1
+        missing -= 1
+    while missing < 0:
+        shrink = [i for i in range(len(sizes)) if sizes[i] > lower[i]]
+        if not shrink:
+            break
+        i = min(shrink, key=lambda j: (values[j] - sizes[j], j))
+        sizes[i] -= 1
+        missing += 1
+    return tuple(int(s) for s in sizes)
+
+
+def split_in_proportion(
+    total: int, weights: Sequence[float], lower: Sequence[int], upper: Sequence[int | None]
+) -> tuple[int, ...]:
+    """Split ``total`` samples over ranks in proportion to ``weights``, within per-rank bounds.
+
+    Ranks whose proportional size falls outside ``[lower_i, upper_i]`` are held at the bound and
+    the overflow is spread over the others in proportion to their weights (water filling); the
+    result is rounded by largest remainders so that it sums to ``total`` exactly. If the bounds
+    make ``total`` impossible (``sum(lower) > total`` or ``sum(upper) < total``) every rank gets
+    its bound: the closest achievable total.
+
+    Args:
+        total: samples to split (the global batch).
+        weights: one finite weight > 0 per rank (e.g. speeds in samples/s, or shares).
+        lower: smallest size per rank, samples, >= 1.
+        upper: largest size per rank, samples; ``None`` for no limit.
+    """
+    if not weights:
+        raise ValueError("`weights` must hold one weight per rank, got none")
+    if any(not (math.isfinite(w) and w > 0) for w in weights):
+        raise ValueError(f"`weights` must be finite and > 0, got {list(weights)!r}")
+    return round_to_total(_fill(weights, total, lower, upper), total, lower, upper)
+
+
+def own_busy_time(worker: WorkerMetrics) -> float:
+    """A rank's own work per step, seconds: ``compute_time + data_time`` (a missing data time counts as 0)."""
+    data = worker.data_time if math.isfinite(worker.data_time) and worker.data_time > 0 else 0.0
+    return worker.compute_time + data
+
+
+# --------------------------------------------------------------------------------------------------
+# argument checks shared by the controllers
+# --------------------------------------------------------------------------------------------------
+
+
+def validate_bound(value: object, name: str, *, allow_none: bool) -> int | tuple[int, ...] | None:
+    """Check a batch-size bound given as one int >= 1, one int >= 1 per rank, or (if allowed) ``None``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 1:
+            raise ValueError(f"`{name}` must be an int >= 1 (samples), got {value!r}.")
+        return value
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0:
+        values = tuple(value)
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+            return values
+    what = "an int >= 1 or one int >= 1 per rank" + (", or None for no limit" if allow_none else "")
+    raise ValueError(f"`{name}` must be {what}, got {value!r}.")
+
+
+def validate_bound_pair(low: int | tuple[int, ...] | None, high: int | tuple[int, ...] | None) -> None:
+    """Check that ``min_batch_size <= max_batch_size`` rank by rank where both are given."""
+    if low is None or high is None:
+        return
+    if isinstance(low, tuple) and isinstance(high, tuple) and len(low) != len(high):
+        raise ValueError(
+            f"`min_batch_size` and `max_batch_size` must have the same number of ranks, got {list(low)!r}"
+            f" and {list(high)!r}."
+        )
+    lows = low if isinstance(low, tuple) else (low,) * (len(high) if isinstance(high, tuple) else 1)
+    highs = high if isinstance(high, tuple) else (high,) * len(lows)
+    if any(lo > hi for lo, hi in zip(lows, highs)):
+        raise ValueError(
+            f"`min_batch_size` must be <= `max_batch_size` on every rank, got min_batch_size={low!r} and"
+            f" max_batch_size={high!r}."
+        )
+
+
+def validate_number(value: object, name: str, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
+    """Check that ``value`` is a finite number in the interval from ``low`` to ``high`` (open or closed ends)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ValueError(f"`{name}` must be a number in {interval}, got {value!r}.")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _capped_bounds(
+    current: Sequence[int], lower: Sequence[int], upper: Sequence[int | None], max_change: float
+) -> tuple[list[int], list[int | None]]:
+    """The hard bounds narrowed to ``[b (1 - max_change), b (1 + max_change)]`` around each current size."""
+    low: list[int] = []
+    high: list[int | None] = []
+    for b, lo, hi in zip(current, lower, upper):
+        cap_lo = max(lo, math.ceil(b * (1.0 - max_change) - 1e-9))
+        cap_hi = math.floor(b * (1.0 + max_change) + 1e-9)
+        cap_hi = cap_hi if hi is None else min(hi, cap_hi)
+        if cap_lo > cap_hi:  # the current size lies outside the hard bounds: they win
+            low.append(lo)
+            high.append(hi)
+        else:
+            low.append(cap_lo)
+            high.append(cap_hi)
+    return low, high
+
+
+def _as_bound(value: int | tuple[int, ...] | None) -> int | list[int] | None:
+    return list(value) if isinstance(value, tuple) else value
+
+
+# --------------------------------------------------------------------------------------------------
+# the controller
+# --------------------------------------------------------------------------------------------------
+
+
+class PIDController:
+    """Equalise every rank's own step time by moving samples from slow ranks to fast ones.
+
+    See the module docstring for the control law. The global batch stays the current one (or
+    ``global_batch_size``) exactly, so the optimisation is unchanged; only the split moves.
+
+    Args:
+        kp: proportional gain on the share error, > 0. 1.0 moves straight to sizes proportional
+            to the measured speeds (one interval when times are proportional to the batch); less
+            than 1 moves part of the way; more than 1 overshoots and comes back (it still converges
+            below 2 when times are proportional to the batch).
+        ki: integral gain, >= 0. Off by default: the update is already incremental, see the
+            module docstring.
+        kd: derivative gain on the change of the error between intervals, >= 0. Off by default.
+        smoothing: weight of the past in the exponential moving average of each rank's speed,
+            in ``[0, 1)``; 0 uses the last interval's speeds alone.
+        dead_band: keep the current sizes exactly when every rank's relative change
+            ``|b' - b| / b`` would be below this, in ``[0, 1)``. Absorbs measurement noise, so
+            sizes stop changing once balanced.
+        min_batch_size: smallest size of a rank, samples: one int for all ranks or one per rank.
+            Intersected with ``ClusterState.min_batch_size``.
+        max_batch_size: largest size of a rank, samples: one int, one per rank, or ``None`` for no
+            limit. Intersected with ``ClusterState.max_batch_size``.
+        global_batch_size: the global batch to keep, samples; ``None`` keeps the current one
+            (the sum of the sizes in each state). If the bounds cannot hold it, the closest total
+            they allow is used.
+        max_change: cap on the relative change of any rank's size in one interval (e.g. 0.5:
+            at most +-50%), > 0; ``None`` for no cap. The global batch and the bounds take
+            precedence where the cap would make them impossible.
+        lr_scaling: learning-rate rule when the global batch differs from the one of the first
+            state seen (only with ``global_batch_size``); one of
+            :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
+        adaptive_gain: divide each step by the rank's measured response to the previous one (the
+            secant gain of the module docstring, at most 3x), so that affine step times converge
+            in a few intervals; ``False`` for the plain proportional law.
+
+    Raises:
+        ValueError: naming the argument, the value and what is valid, for any bad argument.
+    """
+
+    def __init__(
+        self,
+        kp: float = 1.0,
+        ki: float = 0.0,
+        kd: float = 0.0,
+        smoothing: float = 0.5,
+        dead_band: float = 0.1,
+        min_batch_size: int | Sequence[int] = 1,
+        max_batch_size: int | Sequence[int] | None = None,
+        global_batch_size: int | None = None,
+        max_change: float | None = None,
+        lr_scaling: str = "none",
+        adaptive_gain: bool = True,
+    ) -> None:
+        self.kp = validate_number(kp, "kp", 0.0, math.inf, low_open=True, high_open=True)
+        self.ki = validate_number(ki, "ki", 0.0, math.inf, low_open=False, high_open=True)
+        self.kd = validate_number(kd, "kd", 0.0, math.inf, low_open=False, high_open=True)
+        self.smoothing = validate_number(smoothing, "smoothing", 0.0, 1.0, low_open=False, high_open=True)
+        self.dead_band = validate_number(dead_band, "dead_band", 0.0, 1.0, low_open=False, high_open=True)
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
+        validate_bound_pair(self.min_batch_size, self.max_batch_size)
+        if global_batch_size is not None and (
+            isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1
+        ):
+            raise ValueError(
+                f"`global_batch_size` must be an int >= 1 (samples over all ranks) or None to keep the current"
+                f" global batch, got {global_batch_size!r}."
+            )
+        self.global_batch_size = global_batch_size
+        if max_change is not None:
+            max_change = validate_number(max_change, "max_change", 0.0, math.inf, low_open=True, high_open=True)
+        self.max_change = max_change
+        self.lr_scaling = validate_lr_scaling(lr_scaling)
+        if not isinstance(adaptive_gain, bool):
+            raise ValueError(f"`adaptive_gain` must be True or False, got {adaptive_gain!r}.")
+        self.adaptive_gain = adaptive_gain
+        self._speeds: list[float] | None = None
+        self._speed_sizes: list[int] = []
+        self._last_step: dict[str, list[float]] | None = None
+        self._integral: list[float] = []
+        self._previous_error: list[float] | None = None
+        self._base_global_batch: int | None = None
+
+    def decide(self, state: ClusterState) -> Decision:
+        """New per-rank sizes from one interval's measurements (see the module docstring)."""
+        current = state.batch_sizes
+        n = state.world_size
+        lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
+        if self._base_global_batch is None:
+            self._base_global_batch = state.global_batch
+        total = self.global_batch_size if self.global_batch_size is not None else state.global_batch
+
+        busy = [own_busy_time(w) for w in state.workers]
+        if any(not (math.isfinite(t) and t > 0) for t in busy):
+            return self._decision(current, state)
+        measured = [b / t for b, t in zip(current, busy)]
+        if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
+            self._speeds = measured
+            self._integral = [0.0] * n
+            self._previous_error = None
+        else:
+            # a speed measured at another size is another operating point (times may be affine in the
+            # batch): average only over intervals at the current size, so smoothing never adds lag
+            a = self.smoothing
+            self._speeds = [
+                a * old + (1.0 - a) * new if b == b_old else new
+                for old, new, b, b_old in zip(self._speeds, measured, current, self._speed_sizes)
+            ]
+        self._speed_sizes = list(current)
+
+        speed_sum = sum(self._speeds)
+        target = [s / speed_sum for s in self._speeds]
+        share = [b / state.global_batch for b in current]
+        error = [p - q for p, q in zip(target, share)]
+        previous = self._previous_error if self._previous_error is not None else error
+        self._previous_error = error
+        # the secant compares errors of the raw measurements: the smoothed one lags a change of speed
+        measured_sum = sum(measured)
+        raw_error = [s / measured_sum - q for s, q in zip(measured, share)]
+        gains = self._secant_gains(raw_error, current)
+        integral = [i + e for i, e in zip(self._integral, error)]
+        desired = [
+            q + self.kp * g * e + self.ki * i + self.kd * (e - e_prev)
+            for q, g, e, i, e_prev in zip(share, gains, error, integral, previous)
+        ]
+        weights = [max(d, _MIN_SHARE) for d in desired]
+        low, high = lower, upper
+        split = _fill(weights, total, lower, upper)
+        if self.max_change is not None:
+            capped_low, capped_high = _capped_bounds(current, lower, upper, self.max_change)
+            capped = _fill(weights, total, capped_low, capped_high)
+            if abs(sum(capped) - sum(split)) < 0.5:
+                split, low, high = capped, capped_low, capped_high
+        proposal = round_to_total(split, total, low, high)
+
+        # the dead band is judged on the unrounded split, so that one sample of rounding on a small
+        # batch (1 of 12 is 8%) cannot make the sizes flap
+        feasible = sum(current) == sum(proposal) and all(
+            lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper)
+        )
+        if feasible and all(abs(x - b) / b < self.dead_band for x, b in zip(split, current)):
+            self._last_step = None
+            self._integral = [0.0] * n
+            return self._decision(current, state)
+        new_total = sum(proposal)
+        self._last_step = {
+            "share": share,
+            "change": [b_new / new_total - q for b_new, q in zip(proposal, share)],
+            "error": raw_error,
+            "sizes": [float(b) for b in proposal],
+        }
+
+        # conditional integration: a rank pinned at a bound against its error keeps its integral
+        weight_sum = sum(weights)
+        for i in range(n):
+            wanted = weights[i] / weight_sum * sum(proposal)
+            pinned_high = high[i] is not None and proposal[i] >= high[i] and wanted > proposal[i]  # type: ignore[operator]
+            pinned_low = proposal[i] <= low[i] and wanted < proposal[i]
+            if not (pinned_high or pinned_low):
+                self._integral[i] = max(-_INTEGRAL_LIMIT, min(_INTEGRAL_LIMIT, integral[i]))
+        return self._decision(proposal, state)
+
+    def _secant_gains(self, error: Sequence[float], sizes: Sequence[int]) -> list[float]:
+        """Per-rank gain ``1 / m`` from the error's response ``m`` to the change decided one interval ago."""
+        gains = [1.0] * len(error)
+        step = self._last_step
+        # only valid if the sizes measured now are the ones that change led to
+        if not self.adaptive_gain or step is None or [int(b) for b in step["sizes"]] != list(sizes):
+            return gains
+        for i, e_now in enumerate(error):
+            q_before, e_before = step["share"][i], step["error"][i]
+            dq = step["change"][i]
+            # evidence only from a step that is large against the noise and fell short (same sign)
+            if abs(dq) < _SECANT_MIN_STEP * q_before or e_before * e_now <= 0 or e_before * dq <= 0:
+                continue
+            slope = (e_before - e_now) / dq
+            if slope > 0:
+                gains[i] = min(max(1.0 / slope, 1.0), _MAX_SECANT_GAIN)
+        return gains
+
+    def _decision(self, sizes: Sequence[int], state: ClusterState) -> Decision:
+        base = self._base_global_batch or sum(sizes)
+        scale = lr_scale(self.lr_scaling, sum(sizes), base, state.gradient_noise_scale)
+        return Decision(batch_sizes=tuple(sizes), lr_scale=scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Smoothed speeds (samples/s), integral and last error (shares), base global batch (samples)."""
+        return {
+            "speeds": None if self._speeds is None else list(self._speeds),
+            "speed_sizes": list(self._speed_sizes),
+            "last_step": None if self._last_step is None else {k: list(v) for k, v in self._last_step.items()},
+            "integral": list(self._integral),
+            "previous_error": None if self._previous_error is None else list(self._previous_error),
+            "base_global_batch": self._base_global_batch,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, so the next decision is the one the saved controller would make."""
+        speeds = state_dict.get("speeds")
+        self._speeds = None if speeds is None else [float(s) for s in speeds]
+        self._speed_sizes = [int(b) for b in state_dict.get("speed_sizes", [])]
+        step = state_dict.get("last_step")
+        self._last_step = None if step is None else {k: [float(x) for x in v] for k, v in step.items()}
+        self._integral = [float(i) for i in state_dict.get("integral", [])]
+        previous = state_dict.get("previous_error")
+        self._previous_error = None if previous is None else [float(e) for e in previous]
+        base = state_dict.get("base_global_batch")
+        self._base_global_batch = None if base is None else int(base)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(kp={self.kp}, ki={self.ki}, kd={self.kd}, smoothing={self.smoothing},"
+            f" dead_band={self.dead_band}, min_batch_size={_as_bound(self.min_batch_size)!r},"
+            f" max_batch_size={_as_bound(self.max_batch_size)!r}, global_batch_size={self.global_batch_size},"
+            f" max_change={self.max_change}, lr_scaling={self.lr_scaling!r}, adaptive_gain={self.adaptive_gain})"
+        )

@@ -1,0 +1,385 @@
+"""A built-in classification workload for time-to-accuracy measurements: nothing is downloaded.
+
+The data is a Gaussian mixture with several clusters per class, hidden in a low-dimensional
+subspace of the features and randomly rotated, so it is not linearly separable: a multi-layer
+perceptron has to carve out every cluster. The features have standard deviations spread over two
+orders of magnitude, as unnormalised real data often do, so plain SGD needs many steps to learn
+the small-scale directions while the large-scale ones cap the learning rate: accuracy climbs over
+several epochs, at a rate that visibly depends on the batch size and the learning rate.
+Clusters of different classes overlap, so even the best possible classifier errs:
+:attr:`GaussianMixtureClassificationDataset.bayes_accuracy` is how often it is right on the very
+samples generated, the ceiling any model can reach.
+
+* :class:`GaussianMixtureClassificationDataset`: the samples, generated from a seed.
+* :class:`ClassificationDataModule`: disjoint training and validation splits of one generated set.
+* :class:`ClassificationTask`: an MLP classifier that logs ``train_loss``, ``val_loss`` and ``val_acc``.
+
+The defaults are calibrated for ``dynamix demo`` and ``dynamix bench tta`` on CPU. With them the
+Bayes-optimal accuracy on the validation split is about 0.98 and the MLP levels off near 0.91
+(16384 training samples limit it); it passes :data:`DEFAULT_TARGET_ACCURACY` (0.85) after about
+8 epochs (1000 steps) at a global batch of 128 samples and ``lr=0.05`` (SGD, momentum 0.9), and
+after proportionally fewer steps when batch and learning rate grow together (0.1 at 256, 0.2 at
+512), while a larger batch at the same learning rate needs more epochs. One training step at batch
+size 64 costs about 3.5 ms of forward and backward pass on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+OptimizerName = Literal["sgd", "adam"]
+
+DEFAULT_TARGET_ACCURACY = 0.85
+"""Validation accuracy that the default workload reaches after several epochs with a decent configuration."""
+
+_SAMPLE_STREAM = 0x5EED_DA7A
+"""Offset between the seed of the mixture (centres, rotation) and the seed of the samples drawn from it."""
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
+
+
+def _check_number(name: str, value: object, low: float, *, inclusive: bool = True) -> None:
+    valid = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not valid or value < low or (not inclusive and value == low):
+        bound = ">=" if inclusive else ">"
+        raise ValueError(f"`{name}` must be a finite number {bound} {low}, got {value!r}")
+
+
+def _check_mixture(
+    num_features: object,
+    num_classes: object,
+    clusters_per_class: object,
+    informative_features: object,
+    separation: object,
+    feature_scale_ratio: object,
+) -> None:
+    _check_int("num_features", num_features, 1)
+    _check_int("num_classes", num_classes, 2)
+    _check_int("clusters_per_class", clusters_per_class, 1)
+    _check_int("informative_features", informative_features, 1)
+    if num_features < informative_features:  # type: ignore[operator]
+        raise ValueError(
+            f"`num_features` must be at least `informative_features` ({informative_features}), got {num_features}"
+        )
+    _check_number("separation", separation, 0.0, inclusive=False)
+    _check_number("feature_scale_ratio", feature_scale_ratio, 1.0)
+
+
+class GaussianMixtureClassificationDataset(Dataset[Batch]):
+    """Samples of a Gaussian mixture with ``clusters_per_class`` clusters per class.
+
+    Each class owns ``clusters_per_class`` cluster centres drawn from ``N(0, separation² I)`` in an
+    ``informative_features``-dimensional space; a sample picks one of all the clusters uniformly
+    (so classes are balanced in expectation), adds unit Gaussian noise, is padded with
+    ``num_features - informative_features`` pure-noise coordinates, and is rotated by a random
+    orthogonal matrix, so no single feature is informative on its own; finally feature ``j`` is
+    multiplied by ``feature_scale_ratio ** (-j / (num_features - 1))``, so the standard deviations
+    of the features are log-spaced from 1 down to ``1 / feature_scale_ratio``, which slows plain SGD
+    down without changing what can be learnt. Labels are never noisy: errors come only from clusters
+    of different classes overlapping, which ``separation`` controls (larger is easier). The same
+    arguments always give the same samples.
+
+    Attributes:
+        features: ``(num_samples, num_features)`` feature matrix.
+        labels: ``(num_samples,)`` class indices (int64).
+        bayes_predictions: ``(num_samples,)`` the class the Bayes-optimal classifier (which knows
+            the mixture) predicts for each sample.
+        bayes_accuracy: fraction of samples that the Bayes-optimal classifier gets right, in [0, 1]:
+            the accuracy ceiling of any model on these samples.
+
+    Args:
+        num_samples: number of samples.
+        num_features: length of each feature vector; at least ``informative_features``.
+        num_classes: number of classes, at least 2.
+        clusters_per_class: Gaussian clusters per class; more is harder (less linear).
+        informative_features: dimension of the subspace that holds the clusters.
+        separation: standard deviation of the cluster centres, in units of the within-cluster standard
+            deviation; larger separates the classes better and raises :attr:`bayes_accuracy`.
+        feature_scale_ratio: ratio of the largest to the smallest feature standard deviation, at least 1
+            (1: all features alike); larger makes SGD slower.
+        seed: seed of the mixture and of the samples.
+        dtype: floating dtype of the features.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 24576,
+        num_features: int = 32,
+        num_classes: int = 10,
+        clusters_per_class: int = 8,
+        informative_features: int = 8,
+        separation: float = 2.5,
+        feature_scale_ratio: float = 100.0,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        _check_int("num_samples", num_samples, 1)
+        _check_mixture(
+            num_features, num_classes, clusters_per_class, informative_features, separation, feature_scale_ratio
+        )
+        _check_int("seed", seed, 0)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating torch dtype such as torch.float32, got {dtype!r}")
+
+        mixture = torch.Generator().manual_seed(seed)
+        num_clusters = num_classes * clusters_per_class
+        centres = separation * torch.randn(num_clusters, informative_features, generator=mixture, dtype=torch.float64)
+        rotation, _ = torch.linalg.qr(torch.randn(num_features, num_features, generator=mixture, dtype=torch.float64))
+
+        samples = torch.Generator().manual_seed(seed + _SAMPLE_STREAM)
+        cluster = torch.randint(num_clusters, (num_samples,), generator=samples)
+        latent = torch.randn(num_samples, num_features, generator=samples, dtype=torch.float64)
+        latent[:, :informative_features] += centres[cluster]
+        # cluster c belongs to class c % num_classes
+        labels = cluster % num_classes
+
+        squared_distances = torch.cdist(latent[:, :informative_features], centres).square()
+        class_log_likelihood = torch.logsumexp(
+            (-0.5 * squared_distances).view(num_samples, clusters_per_class, num_classes), dim=1
+        )
+        self.bayes_predictions = class_log_likelihood.argmax(dim=1)
+        self.bayes_accuracy = float((self.bayes_predictions == labels).double().mean())
+        # log-spaced scales from 1 down to 1 / feature_scale_ratio
+        scales = feature_scale_ratio ** -torch.linspace(0.0, 1.0, num_features, dtype=torch.float64)
+        self.features = (latent @ rotation.T * scales).to(dtype)
+        self.labels = labels
+        self.num_features = num_features
+        self.num_classes = num_classes
+
+    def __len__(self) -> int:
+        return self.features.shape[0]
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.features[index], self.labels[index]
+
+
+class ClassificationDataModule(LightningDataModule):
+    """Training and validation splits of one :class:`GaussianMixtureClassificationDataset`.
+
+    One set of ``num_samples + num_val_samples`` samples is generated from ``seed`` at
+    :meth:`setup` (the whole set is kept in :attr:`dataset`); the first
+    ``num_samples`` train and the rest validate, so the splits are disjoint and come from the same
+    mixture. Every process generates the same set, so nothing needs to be shared between ranks.
+    The training DataLoader shuffles with a plain sampler, which ``HeterogeneousDDPStrategy``
+    replaces with a per-rank batch sampler; the validation DataLoader does not shuffle.
+
+    Args:
+        num_samples: training samples.
+        num_val_samples: validation samples.
+        num_features: length of each feature vector.
+        num_classes: number of classes.
+        clusters_per_class: Gaussian clusters per class.
+        informative_features: dimension of the subspace that holds the clusters.
+        separation: spread of the cluster centres in within-cluster standard deviations (larger is easier).
+        feature_scale_ratio: ratio of the largest to the smallest feature standard deviation (1: all alike).
+        batch_size: samples per training batch (per rank; the strategy may override it).
+        val_batch_size: samples per validation batch; default: 1024.
+        num_workers: DataLoader worker processes.
+        seed: seed of the mixture, the samples and the training shuffle.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 16384,
+        num_val_samples: int = 8192,
+        num_features: int = 32,
+        num_classes: int = 10,
+        clusters_per_class: int = 8,
+        informative_features: int = 8,
+        separation: float = 2.5,
+        feature_scale_ratio: float = 100.0,
+        batch_size: int = 64,
+        val_batch_size: int = 1024,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        _check_int("num_samples", num_samples, 1)
+        _check_int("num_val_samples", num_val_samples, 1)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("val_batch_size", val_batch_size, 1)
+        _check_int("num_workers", num_workers, 0)
+        _check_mixture(
+            num_features, num_classes, clusters_per_class, informative_features, separation, feature_scale_ratio
+        )
+        _check_int("seed", seed, 0)
+        self.save_hyperparameters()
+        self.num_features = num_features
+        self.num_classes = num_classes
+        self.dataset: GaussianMixtureClassificationDataset | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.dataset is not None:
+            return
+        h = self.hparams
+        self.dataset = GaussianMixtureClassificationDataset(
+            num_samples=h.num_samples + h.num_val_samples,
+            num_features=h.num_features,
+            num_classes=h.num_classes,
+            clusters_per_class=h.clusters_per_class,
+            informative_features=h.informative_features,
+            separation=h.separation,
+            feature_scale_ratio=h.feature_scale_ratio,
+            seed=h.seed,
+        )
+
+    def _generated(self) -> GaussianMixtureClassificationDataset:
+        if self.dataset is None:
+            self.setup("fit")
+        assert self.dataset is not None  # setup() always sets it
+        return self.dataset
+
+    @property
+    def val_bayes_accuracy(self) -> float:
+        """The Bayes-optimal classifier's accuracy on the validation split, in [0, 1]: no model can do better."""
+        dataset = self._generated()
+        start = self.hparams.num_samples
+        return float((dataset.bayes_predictions[start:] == dataset.labels[start:]).double().mean())
+
+    @override
+    def train_dataloader(self) -> DataLoader[Batch]:
+        h = self.hparams
+        return DataLoader(
+            Subset(self._generated(), range(h.num_samples)),
+            batch_size=h.batch_size,
+            shuffle=True,
+            num_workers=h.num_workers,
+            persistent_workers=h.num_workers > 0,
+            generator=torch.Generator().manual_seed(h.seed),
+        )
+
+    @override
+    def val_dataloader(self) -> DataLoader[Batch]:
+        h = self.hparams
+        return DataLoader(
+            Subset(self._generated(), range(h.num_samples, h.num_samples + h.num_val_samples)),
+            batch_size=h.val_batch_size,
+            shuffle=False,
+            num_workers=h.num_workers,
+            persistent_workers=h.num_workers > 0,
+        )
+
+
+def _mlp(
+    num_features: int, num_classes: int, hidden: int, depth: int, generator: torch.Generator | None = None
+) -> nn.Sequential:
+    """A ReLU multi-layer perceptron with ``depth`` hidden layers of width ``hidden``.
+
+    Weights follow PyTorch's default ``nn.Linear`` initialisation, drawn from ``generator``
+    (the global generator when ``None``).
+    """
+    layers: list[nn.Module] = []
+    width = num_features
+    for _ in range(depth):
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    layers.append(nn.Linear(width, num_classes))
+    network = nn.Sequential(*layers)
+    if generator is not None:
+        with torch.no_grad():
+            for module in network:
+                if isinstance(module, nn.Linear):
+                    bound = 1.0 / math.sqrt(module.in_features)
+                    # kaiming_uniform_(a=sqrt(5)) and the bias rule of nn.Linear both reduce to U(-bound, bound)
+                    module.weight.uniform_(-bound, bound, generator=generator)
+                    module.bias.uniform_(-bound, bound, generator=generator)
+    return network
+
+
+class ClassificationTask(LightningModule):
+    """A multi-layer perceptron classifier with cross-entropy loss and validation accuracy.
+
+    Logs ``train_loss`` at every training step, and ``val_loss`` and ``val_acc`` (micro-averaged
+    accuracy, the fraction of validation samples classified correctly) once per validation epoch.
+    The validation metrics are torchmetrics objects, so under DDP they are reduced over all
+    ranks' samples exactly.
+
+    Args:
+        num_features: input features per sample.
+        num_classes: classes.
+        hidden: width of each hidden layer.
+        depth: number of hidden layers (0 is a linear classifier).
+        lr: learning rate.
+        momentum: SGD momentum (ignored by Adam).
+        optimizer: ``"sgd"`` or ``"adam"``.
+        weight_decay: L2 penalty coefficient.
+        seed: seed of the initial weights; ``None`` draws them from the global generator.
+        sync_train_loss: average the logged training loss over ranks at every step
+            (one extra all-reduce per step).
+    """
+
+    def __init__(
+        self,
+        num_features: int = 32,
+        num_classes: int = 10,
+        hidden: int = 512,
+        depth: int = 2,
+        lr: float = 0.05,
+        momentum: float = 0.9,
+        optimizer: OptimizerName = "sgd",
+        weight_decay: float = 0.0,
+        seed: int | None = 0,
+        sync_train_loss: bool = False,
+    ) -> None:
+        super().__init__()
+        _check_int("num_features", num_features, 1)
+        _check_int("num_classes", num_classes, 2)
+        _check_int("hidden", hidden, 1)
+        _check_int("depth", depth, 0)
+        _check_number("lr", lr, 0.0, inclusive=False)
+        _check_number("momentum", momentum, 0.0)
+        if momentum >= 1.0:
+            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+        if optimizer not in ("sgd", "adam"):
+            raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
+        _check_number("weight_decay", weight_decay, 0.0)
+        if seed is not None:
+            _check_int("seed", seed, 0)
+        self.save_hyperparameters()
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.network = _mlp(num_features, num_classes, hidden, depth, generator)
+        self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
+        self.val_loss = MeanMetric()
+
+    @override
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits, ``(batch, num_classes)``."""
+        return self.network(x)
+
+    @override
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, sync_dist=self.hparams.sync_train_loss, prog_bar=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_loss.update(F.cross_entropy(logits, y), weight=y.shape[0])
+        self.val_accuracy.update(logits, y)
+        self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, sync_dist=True)
+        self.log("val_acc", self.val_accuracy, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        h = self.hparams
+        if h.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
+        return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)

@@ -1,0 +1,241 @@
+"""What one decision sees: every rank's measurements over an interval, and the encoding policies read.
+
+:class:`WorkerMetrics` is one rank over one decision interval (means over the interval's steps),
+:class:`ClusterState` is all ranks plus the job's global signals. Both are small frozen values:
+the real callback builds them from measurements, the cluster simulator builds the same type, so
+a controller or a policy cannot tell the two apart. :meth:`ClusterState.observation` is the one
+numeric encoding every learned policy reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class WorkerMetrics:
+    """One rank over one decision interval; times are means per step, in seconds.
+
+    Attributes:
+        rank: global rank.
+        batch_size: the rank's batch size (samples) in the interval's last step.
+        data_time: waiting for the DataLoader.
+        compute_time: this rank's own forward and backward, up to its last gradient bucket being
+            ready (for a step that does not synchronise, up to the end of backward); excludes any
+            wait for other ranks.
+        sync_wait: from the last bucket being ready to the end of backward: waiting for the
+            all-reduce, which includes waiting for slower ranks.
+        step_time: from one batch end to the next (data, compute, synchronisation, optimizer).
+        samples_per_s: the rank's samples over the interval divided by its wall time.
+        cpu_util: CPU utilisation of the machine, percent (0-100 per core summed over cores / cores).
+        mem_util: memory in use on the machine, percent.
+        gpu_util: utilisation of the rank's GPU, percent; NaN without a GPU.
+        gpu_mem_util: memory in use on the rank's GPU, percent; NaN without a GPU.
+        gpu_power_w: power draw of the rank's GPU, watts; NaN without a GPU.
+        gpu_temperature_c: temperature of the rank's GPU, degrees Celsius; NaN without a GPU.
+        comm_time: time with at least one gradient all-reduce in flight, per synchronising step.
+        comm_bytes: gradient bytes all-reduced per synchronising step.
+        bandwidth: comm_bytes / comm_time, bytes per second; NaN when nothing was all-reduced.
+    """
+
+    rank: int
+    batch_size: int
+    data_time: float = NAN
+    compute_time: float = NAN
+    sync_wait: float = NAN
+    step_time: float = NAN
+    samples_per_s: float = NAN
+    cpu_util: float = NAN
+    mem_util: float = NAN
+    gpu_util: float = NAN
+    gpu_mem_util: float = NAN
+    gpu_power_w: float = NAN
+    gpu_temperature_c: float = NAN
+    comm_time: float = NAN
+    comm_bytes: float = NAN
+    bandwidth: float = NAN
+
+    @property
+    def own_step_time(self) -> float:
+        """The rank's step without waiting for the all-reduce: ``step_time - sync_wait``, seconds."""
+        return self.step_time - self.sync_wait
+
+    @property
+    def own_samples_per_s(self) -> float:
+        """The rank's own speed: samples per second if it never waited for the all-reduce.
+
+        This is the ``s_r`` of the ideal throughput ``sum_r s_r`` (data loading, compute and the
+        optimizer step all count; waiting for slower ranks and the transfer itself do not).
+        """
+        own = self.own_step_time
+        return self.batch_size / own if own > 0 else NAN
+
+    @classmethod
+    def float_fields(cls) -> tuple[str, ...]:
+        """Names of the measured fields (everything but ``rank`` and ``batch_size``), in order."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("rank", "batch_size"))
+
+
+# names of the columns of ClusterState.observation(); the order is part of the policy file format
+LOCAL_FEATURES: tuple[str, ...] = (
+    "log2_batch_share",  # log2(b_r / mean b)
+    "relative_compute_time",  # compute_r / mean compute - 1
+    "relative_own_speed",  # s_r / mean s - 1
+    "data_fraction",  # data_time / step_time
+    "sync_wait_fraction",  # sync_wait / step_time
+    "comm_fraction",  # comm_time / step_time
+    "cpu_util",  # fraction
+    "mem_util",  # fraction
+    "gpu_util",  # fraction, 0 without a GPU
+    "gpu_mem_util",  # fraction, 0 without a GPU
+    "log2_batch_to_max",  # log2(b_r / max_batch_size), 0 without a bound
+)
+GLOBAL_FEATURES: tuple[str, ...] = (
+    "log2_world_size",
+    "log2_global_batch",
+    "log10_noise_scale_to_batch",  # log10(B_noise / global batch), 0 when unknown
+    "noise_scale_known",
+    "log1p_loss",
+    "relative_loss_slope",  # loss slope per step * 100 / loss
+    "throughput_to_ideal",  # sum b / step time over sum_r s_r
+    "log10_bandwidth",  # log10(bytes/s) - 9, 0 when unknown
+    "has_gpu",
+)
+
+
+def _finite(value: float, default: float = 0.0) -> float:
+    return value if math.isfinite(value) else default
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """Every rank's :class:`WorkerMetrics` over one interval, plus the job's global signals.
+
+    Attributes:
+        workers: one entry per rank, in rank order.
+        step: the optimizer step (``trainer.global_step``) at which the state was gathered.
+        epoch: the epoch at which the state was gathered.
+        loss: the training loss averaged over the interval (NaN if not known).
+        loss_slope: change of the loss per optimizer step over recent intervals (NaN if not known).
+        gradient_noise_scale: the simple noise scale B_noise in samples (NaN if not known).
+        lr: the learning rate of the first parameter group (NaN if not known).
+        min_batch_size: the smallest size any rank may be given.
+        max_batch_size: the largest size any rank may be given; ``None`` for no limit.
+    """
+
+    workers: tuple[WorkerMetrics, ...]
+    step: int = 0
+    epoch: int = 0
+    loss: float = NAN
+    loss_slope: float = NAN
+    gradient_noise_scale: float = NAN
+    lr: float = NAN
+    min_batch_size: int = 1
+    max_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("`workers` must hold one WorkerMetrics per rank, got none")
+        ranks = [w.rank for w in self.workers]
+        if ranks != list(range(len(ranks))):
+            raise ValueError(f"`workers` must be in rank order 0..{len(ranks) - 1}, got ranks {ranks}")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(w.batch_size for w in self.workers)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(self.batch_sizes)
+
+    @property
+    def step_time(self) -> float:
+        """The job's step time: the slowest rank's (all ranks wait for it in the all-reduce)."""
+        return max(w.step_time for w in self.workers)
+
+    @property
+    def throughput(self) -> float:
+        """Achieved samples per second of the whole job."""
+        step = self.step_time
+        return self.global_batch / step if step > 0 else NAN
+
+    @property
+    def ideal_throughput(self) -> float:
+        """``sum_r s_r``: what the ranks would achieve if none ever waited for another."""
+        return sum(w.own_samples_per_s for w in self.workers)
+
+    @property
+    def bandwidth(self) -> float:
+        """The best all-reduce bandwidth any rank measured, bytes per second (NaN if none).
+
+        The rank that reaches the all-reduce last waits least, so its figure is closest to the
+        network's own.
+        """
+        values = [w.bandwidth for w in self.workers if math.isfinite(w.bandwidth)]
+        return max(values) if values else NAN
+
+    def is_finite(self, names: Sequence[str] = ("data_time", "compute_time", "step_time")) -> bool:
+        """Whether the given fields are finite on every rank and every rank's step took time."""
+        return all(math.isfinite(getattr(w, n)) for w in self.workers for n in names) and all(
+            w.step_time > 0 for w in self.workers
+        )
+
+    def observation(self) -> dict[str, np.ndarray]:
+        """The encoding every policy reads: scale-free, finite, float32.
+
+        Returns:
+            ``{"ranks": (world_size, len(LOCAL_FEATURES)), "cluster": (len(GLOBAL_FEATURES),)}``;
+            unknown values (NaN: no GPU, no noise-scale estimate yet) encode as 0.
+        """
+        sizes = np.array(self.batch_sizes, dtype=np.float64)
+        compute = np.array([w.compute_time for w in self.workers], dtype=np.float64)
+        speeds = np.array([w.own_samples_per_s for w in self.workers], dtype=np.float64)
+        mean_compute = np.nanmean(compute) if np.isfinite(compute).any() else NAN
+        mean_speed = np.nanmean(speeds) if np.isfinite(speeds).any() else NAN
+        rows = []
+        for i, w in enumerate(self.workers):
+            step = w.step_time if w.step_time > 0 else NAN
+            rows.append(
+                [
+                    math.log2(sizes[i] / sizes.mean()),
+                    _finite(compute[i] / mean_compute - 1.0),
+                    _finite(speeds[i] / mean_speed - 1.0),
+                    _finite(w.data_time / step),
+                    _finite(w.sync_wait / step),
+                    _finite(w.comm_time / step),
+                    _finite(w.cpu_util / 100.0),
+                    _finite(w.mem_util / 100.0),
+                    _finite(w.gpu_util / 100.0),
+                    _finite(w.gpu_mem_util / 100.0),
+                    math.log2(sizes[i] / self.max_batch_size) if self.max_batch_size else 0.0,
+                ]
+            )
+        noise = self.gradient_noise_scale
+        noise_known = math.isfinite(noise) and noise > 0
+        ideal = self.ideal_throughput
+        bandwidth = self.bandwidth
+        cluster = [
+            math.log2(self.world_size),
+            math.log2(self.global_batch),
+            math.log10(noise / self.global_batch) if noise_known else 0.0,
+            1.0 if noise_known else 0.0,
+            _finite(math.log1p(max(self.loss, 0.0))) if math.isfinite(self.loss) else 0.0,
+            _finite(100.0 * self.loss_slope / self.loss) if math.isfinite(self.loss) and self.loss > 0 else 0.0,
+            _finite(self.throughput / ideal) if ideal > 0 else 0.0,
+            math.log10(bandwidth) - 9.0 if math.isfinite(bandwidth) and bandwidth > 0 else 0.0,
+            1.0 if any(math.isfinite(w.gpu_util) for w in self.workers) else 0.0,
+        ]
+        return {
+            "ranks": np.clip(np.asarray(rows, dtype=np.float32), -10.0, 10.0),
+            "cluster": np.clip(np.asarray(cluster, dtype=np.float32), -10.0, 10.0),
+        }

@@ -1,0 +1,105 @@
+"""DynamixCallback in real 2-process jobs: rebalancing an emulated slow rank, and resuming.
+
+Usage: python dynamix_job.py balance OUT_DIR
+       python dynamix_job.py resume OUT_DIR
+Rank 0 writes what the callback saw and decided as JSON.
+"""
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_dynamix import HeterogeneousDDPStrategy
+from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.cli.workloads import DemoClassifier
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+GNS = len(sys.argv) < 4
+
+
+def history(callback):
+    return [
+        {
+            "step": r.step,
+            "sizes": list(r.state.batch_sizes),
+            "compute": [w.compute_time for w in r.state.workers],
+            "throughput_to_ideal": r.state.throughput / r.state.ideal_throughput,
+            "noise_scale": r.state.gradient_noise_scale,
+            "decision": list(r.decision.batch_sizes),
+            "bandwidth": r.state.bandwidth,
+        }
+        for r in callback.history
+    ]
+
+
+class StartRecorder(Callback):
+    """What the run starts from: sizes and controller state after a checkpoint was restored."""
+
+    def __init__(self, dynamix):
+        self.dynamix = dynamix
+        self.seen = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen = {
+            "sizes": list(trainer.strategy.batch_sizes),
+            "controller": self.dynamix.controller.state_dict(),
+            "lr_scale": self.dynamix.lr_scale,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        }
+
+
+def fit(max_steps, callbacks, ckpt_path=None, logger=False, **trainer_kwargs):
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=HeterogeneousDDPStrategy(batch_sizes=[64, 64], min_batch_size=4, timeout=timedelta(seconds=60)),
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=logger,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    model = DemoClassifier(num_samples=8192, num_features=128, hidden=1024, num_classes=4, sync_dist=False)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer
+
+
+if mode == "balance":
+    dynamix = DynamixCallback("pid", interval=5, warmup_steps=5, gradient_noise_scale=GNS)
+    trainer = fit(
+        60,
+        [HeterogeneityEmulator([1.0, 3.0]), dynamix],
+        logger=CSVLogger(out, name="balance"),
+        enable_checkpointing=False,
+    )
+    if trainer.is_global_zero:
+        (out / "balance.json").write_text(json.dumps({"history": history(dynamix), "log_dir": trainer.logger.log_dir}))
+elif mode == "resume":
+    first = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear")
+    checkpoint = ModelCheckpoint(dirpath=out, filename="step30", every_n_train_steps=30, save_top_k=-1)
+    trainer = fit(30, [HeterogeneityEmulator([1.0, 3.0]), first, checkpoint], enable_checkpointing=True)
+    before = {
+        "sizes": list(trainer.strategy.batch_sizes),
+        "controller": first.controller.state_dict(),
+        "lr_scale": first.lr_scale,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+    }
+    second = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear")
+    recorder = StartRecorder(second)
+    trainer = fit(
+        40,
+        [HeterogeneityEmulator([1.0, 3.0]), second, recorder],
+        ckpt_path=out / "step30.ckpt",
+        enable_checkpointing=False,
+    )
+    if trainer.is_global_zero:
+        result = {"before": before, "after": recorder.seen, "history": history(second)}
+        (out / "resume.json").write_text(json.dumps(result))
+else:
+    raise SystemExit(f"unknown mode {mode}")

@@ -1,0 +1,423 @@
+"""Controllers: closed-loop convergence on simulated clusters, bounds, the goodput search, lr rules, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Sequence
+from itertools import pairwise
+
+import pytest
+
+from lightning_dynamix.control import (
+    CONTROLLERS,
+    LR_SCALING_RULES,
+    BatchController,
+    GoodputController,
+    PIDController,
+    StaticController,
+    equal_time_split,
+    fit_step_time,
+    lr_scale,
+    make_controller,
+    split_in_proportion,
+    validate_lr_scaling,
+)
+from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
+
+NAN = float("nan")
+
+
+def make_state(
+    sizes: Sequence[int],
+    times: Sequence[float],
+    *,
+    noise_scale: float = NAN,
+    comm_time: float = NAN,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+) -> ClusterState:
+    workers = tuple(
+        WorkerMetrics(rank=r, batch_size=b, compute_time=t, step_time=max(times), comm_time=comm_time)
+        for r, (b, t) in enumerate(zip(sizes, times))
+    )
+    return ClusterState(
+        workers=workers,
+        gradient_noise_scale=noise_scale,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+    )
+
+
+def simulate(
+    controller: BatchController,
+    sizes: Sequence[int],
+    per_sample: Sequence[float],
+    *,
+    fixed: Sequence[float] | None = None,
+    intervals: int = 30,
+    noise: float = 0.03,
+    seed: int = 0,
+    **state_kwargs: float,
+) -> list[tuple[int, ...]]:
+    """Closed loop: rank r's step takes ``(fixed_r + per_sample_r * b_r) * (1 +- noise)`` seconds."""
+    rng = random.Random(seed)
+    fixed = fixed if fixed is not None else [0.0] * len(sizes)
+    history = [tuple(sizes)]
+    for _ in range(intervals):
+        times = [(a + c * b) * (1 + rng.uniform(-noise, noise)) for a, c, b in zip(fixed, per_sample, sizes)]
+        sizes = controller.decide(make_state(sizes, times, **state_kwargs)).batch_sizes
+        history.append(tuple(sizes))
+    return history
+
+
+def proportional(total: int, speeds: Sequence[float]) -> list[float]:
+    return [total * s / sum(speeds) for s in speeds]
+
+
+# --------------------------------------------------------------------------------------------------
+# PID
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize(
+    ("sizes", "per_sample"),
+    [([64, 64], [3e-3, 1e-3]), ([32, 32, 32, 32], [4e-3, 2e-3, 1e-3, 1e-3])],
+    ids=["speeds-1:3", "speeds-1:2:4:4"],
+)
+def test_pid_reaches_speed_proportional_sizes_and_then_holds_them(sizes, per_sample, seed):
+    history = simulate(PIDController(), sizes, per_sample, intervals=40, seed=seed)
+    target = proportional(sum(sizes), [1 / c for c in per_sample])
+    converged = history[4]
+    assert all(abs(b - t) <= max(0.1 * t, 1.0) for b, t in zip(converged, target)), (converged, target)
+    assert all(sum(h) == sum(sizes) for h in history)
+    assert all(h == converged for h in history[4:]), "sizes moved inside the dead band"
+
+
+def time_imbalance(sizes: Sequence[int], fixed: Sequence[float], per_sample: Sequence[float]) -> float:
+    times = [a + c * b for a, c, b in zip(fixed, per_sample, sizes)]
+    return max(times) / min(times) - 1
+
+
+AFFINE_CLUSTERS = pytest.mark.parametrize(
+    ("fixed", "per_sample"),
+    [
+        ([0.1, 0.1], [3e-3, 1e-3]),
+        ([0.3, 0.3], [3e-3, 1e-3]),
+        ([0.05, 0.1], [3e-3, 1e-3]),
+        ([0.02, 0.02, 0.02], [2e-3, 1e-3, 1e-3]),
+    ],
+    ids=["fixed-half", "fixed-dominant", "unequal-fixed", "three-ranks"],
+)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@AFFINE_CLUSTERS
+def test_pid_equalises_affine_step_times_within_a_few_intervals_then_holds(fixed, per_sample, seed):
+    sizes = [64] * len(fixed)
+    history = simulate(PIDController(), sizes, per_sample, fixed=fixed, intervals=40, seed=seed)
+    assert time_imbalance(history[0], fixed, per_sample) > 0.3
+    assert all(time_imbalance(h, fixed, per_sample) < 0.2 for h in history[4:]), history[:8]
+    assert len(set(history[4:])) <= 2, "sizes kept moving after convergence"
+    assert len(set(history[-15:])) == 1
+    assert all(sum(h) == sum(sizes) for h in history)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@AFFINE_CLUSTERS
+def test_pid_without_adaptive_gain_converges_monotonically_on_affine_times(fixed, per_sample, seed):
+    sizes = [64] * len(fixed)
+    history = simulate(PIDController(adaptive_gain=False), sizes, per_sample, fixed=fixed, intervals=40, seed=seed)
+    assert time_imbalance(history[-1], fixed, per_sample) < 0.2
+    for rank in range(len(sizes)):  # every rank's size moves one way only: no oscillation
+        steps = [h[rank] - g[rank] for g, h in pairwise(history) if h[rank] != g[rank]]
+        assert all(s > 0 for s in steps) or all(s < 0 for s in steps), history
+
+
+def test_pid_follows_a_change_of_speed_without_overshooting():
+    controller = PIDController()
+    history = simulate(controller, [64, 64], [3e-3, 1e-3], intervals=10, noise=0.0)
+    assert history[-1] == (32, 96)
+    # rank 0 becomes the fast one: the smoothed speeds lag, but no step goes past the new balance
+    history = simulate(controller, history[-1], [1e-3, 3e-3], intervals=10, noise=0.0)
+    assert all(h[0] <= 96 for h in history)
+    assert history[-1] == (96, 32)
+
+
+def test_pid_at_gain_one_moves_straight_to_sizes_proportional_to_measured_speed():
+    controller = PIDController(dead_band=0.0)
+    decision = controller.decide(make_state([50, 50], [0.2, 0.05]))
+    assert decision.batch_sizes == (20, 80)
+    assert decision.lr_scale == 1.0
+
+
+def test_pid_keeps_sizes_exactly_inside_dead_band():
+    controller = PIDController(dead_band=0.1)
+    # speeds 100 and 106 samples/s: the balanced split is within 3% of the current one
+    decision = controller.decide(make_state([50, 50], [0.5, 0.47]))
+    assert decision.batch_sizes == (50, 50)
+
+
+def test_pid_respects_per_rank_bounds_and_spreads_the_overflow():
+    controller = PIDController(max_batch_size=80, dead_band=0.0)
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064]))  # speeds 1:3 -> 32:96 unbounded
+    assert decision.batch_sizes == (48, 80)
+
+    controller = PIDController(min_batch_size=[40, 1], dead_band=0.0)
+    assert controller.decide(make_state([64, 64], [0.192, 0.064])).batch_sizes == (40, 88)
+
+    # the state's own bound (e.g. memory) is intersected with the controller's
+    controller = PIDController(max_batch_size=100, dead_band=0.0)
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064], max_batch_size=70))
+    assert decision.batch_sizes == (58, 70)
+
+
+def test_pid_honours_a_fixed_global_batch_and_scales_the_learning_rate():
+    controller = PIDController(global_batch_size=200, lr_scaling="linear")
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064]))
+    assert decision.batch_sizes == (50, 150)
+    assert decision.lr_scale == pytest.approx(200 / 128)
+
+
+def test_pid_gets_as_close_as_the_bounds_allow_to_an_impossible_global_batch():
+    controller = PIDController(global_batch_size=1000, max_batch_size=100)
+    assert controller.decide(make_state([64, 64], [0.192, 0.064])).batch_sizes == (100, 100)
+
+
+def test_pid_max_change_caps_the_relative_step_per_interval():
+    controller = PIDController(max_change=0.25, dead_band=0.0)
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064]))
+    assert decision.batch_sizes == (48, 80)
+    history = simulate(PIDController(max_change=0.25), [64, 64], [3e-3, 1e-3], intervals=10, noise=0.0)
+    assert history[-1] == (32, 96)
+
+
+def test_pid_integral_term_settles_on_balance_without_windup():
+    controller = PIDController(ki=0.3)
+    # a memory bound holds the fast rank back for a while
+    held = simulate(controller, [40, 40, 40], [4e-3, 4e-3, 1e-3], intervals=10, noise=0.0, max_batch_size=50)
+    assert held[-1] == (35, 35, 50)
+    # once it is lifted the sizes head for balance and stop there: no wound-up integral, no offset
+    history = simulate(controller, held[-1], [4e-3, 4e-3, 1e-3], intervals=15, noise=0.0)
+    assert all(h[2] <= 100 for h in history)
+    assert len(set(history[-8:])) == 1
+    assert all(abs(b - t) <= 0.1 * t for b, t in zip(history[-1], (20, 20, 80)))
+
+
+def test_pid_returns_current_sizes_when_a_time_is_not_finite():
+    controller = PIDController(dead_band=0.0)
+    assert controller.decide(make_state([64, 64], [NAN, 0.1])).batch_sizes == (64, 64)
+    assert controller.decide(make_state([64, 64], [0.0, 0.1])).batch_sizes == (64, 64)
+
+
+# --------------------------------------------------------------------------------------------------
+# splitting helpers
+# --------------------------------------------------------------------------------------------------
+
+
+def test_split_in_proportion_keeps_the_total_exactly_by_largest_remainders():
+    assert split_in_proportion(100, [1, 1, 1], [1, 1, 1], [None, None, None]) == (34, 33, 33)
+    assert split_in_proportion(10, [1, 2], [1, 1], [None, None]) == (3, 7)
+    sizes = split_in_proportion(1001, [1.0, 2.7, 3.1, 0.2], [1] * 4, [None] * 4)
+    assert sum(sizes) == 1001
+    # overflow at a bound goes to the others in proportion to their weights
+    assert split_in_proportion(100, [8, 1, 1], [1, 1, 1], [50, None, None]) == (50, 25, 25)
+    # impossible totals: the closest the bounds allow
+    assert split_in_proportion(5, [1, 1], [4, 4], [None, None]) == (4, 4)
+    assert split_in_proportion(50, [1, 1], [1, 1], [10, 20]) == (10, 20)
+
+
+def test_equal_time_split_equalises_affine_step_times():
+    sizes = equal_time_split(200, alphas=[0.1, 0.0], betas=[1e-3, 1e-3], lower=[1, 1], upper=[None, None])
+    assert sizes == (50, 150)  # 0.1 + 0.05 == 0.15
+    assert equal_time_split(200, [0.0, 0.0], [3e-3, 1e-3], [1, 1], [None, None]) == (50, 150)
+
+
+def test_fit_step_time_recovers_an_affine_model_and_falls_back_to_proportional():
+    alpha, beta = fit_step_time([(32, 0.1 + 32e-3), (64, 0.1 + 64e-3), (128, 0.1 + 128e-3)])
+    assert alpha == pytest.approx(0.1)
+    assert beta == pytest.approx(1e-3)
+    assert fit_step_time([(64, 0.128), (64, 0.128)]) == (0.0, pytest.approx(2e-3))
+
+
+# --------------------------------------------------------------------------------------------------
+# goodput
+# --------------------------------------------------------------------------------------------------
+
+
+def test_goodput_grows_the_global_batch_when_the_noise_scale_is_large():
+    controller = GoodputController()
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064], noise_scale=1e6, comm_time=0.05))
+    b0, b1 = decision.batch_sizes
+    assert decision.global_batch > 128
+    assert b1 / b0 == pytest.approx(3.0, rel=0.02)
+    assert decision.lr_scale == pytest.approx(lr_scale("adascale", decision.global_batch, 128, 1e6))
+    assert decision.lr_scale > 1.0
+
+
+def test_goodput_keeps_the_base_batch_when_the_noise_scale_is_tiny():
+    controller = GoodputController()
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064], noise_scale=1.0, comm_time=0.05))
+    assert decision.batch_sizes == (32, 96)
+    assert decision.lr_scale == 1.0
+
+
+def test_goodput_only_rebalances_while_the_noise_scale_is_unknown():
+    controller = GoodputController()
+    decision = controller.decide(make_state([100, 20], [0.3, 0.02], comm_time=0.05))
+    assert decision.batch_sizes == (30, 90)
+    assert decision.lr_scale == 1.0
+
+
+def test_goodput_stops_changing_once_at_its_optimum():
+    controller = GoodputController()
+    history = simulate(
+        controller, [64, 64], [3e-3, 1e-3], fixed=[0.02, 0.02], intervals=20, noise_scale=500.0, comm_time=0.05
+    )
+    assert history[3] != history[0]
+    assert len(set(history[5:])) == 1
+    b0, b1 = history[-1]
+    assert 0.02 + 3e-3 * b0 == pytest.approx(0.02 + 1e-3 * b1, rel=0.1)
+
+
+def test_goodput_rebalances_after_a_rank_slows_down():
+    controller = GoodputController()
+    history = simulate(controller, [64, 64], [3e-3, 1e-3], fixed=[0.02, 0.02], intervals=6, comm_time=0.05)
+    assert history[-1] == (32, 96)
+    # the ranks swap speeds: the old observations no longer fit and are dropped
+    history = simulate(controller, history[-1], [1e-3, 3e-3], fixed=[0.02, 0.02], intervals=6, comm_time=0.05)
+    b0, b1 = history[-1]
+    assert sum(history[-1]) == 128
+    assert 0.02 + 1e-3 * b0 == pytest.approx(0.02 + 3e-3 * b1, rel=0.1)
+
+
+def test_goodput_respects_global_and_per_rank_limits():
+    controller = GoodputController(max_global_batch=300, max_batch_size=200)
+    decision = controller.decide(make_state([64, 64], [0.192, 0.064], noise_scale=1e9, comm_time=0.05))
+    assert decision.global_batch <= 300
+    assert max(decision.batch_sizes) <= 200
+
+
+# --------------------------------------------------------------------------------------------------
+# static, registry, learning-rate rules
+# --------------------------------------------------------------------------------------------------
+
+
+def test_static_controller_never_changes_anything():
+    controller = StaticController()
+    state = make_state([10, 90], [1.0, 0.1], noise_scale=1e6)
+    decision = controller.decide(state)
+    assert decision.batch_sizes == (10, 90)
+    assert decision.lr_scale == 1.0
+    assert controller.state_dict() == {}
+
+
+@pytest.mark.parametrize("name", ["static", "pid", "goodput"])
+def test_make_controller_builds_every_registered_controller(name):
+    controller = make_controller(name)
+    assert isinstance(controller, CONTROLLERS[name])
+    assert isinstance(controller, BatchController)
+
+
+def test_make_controller_passes_arguments_through():
+    controller = make_controller("pid", kp=0.5, dead_band=0.2)
+    assert isinstance(controller, PIDController)
+    assert (controller.kp, controller.dead_band) == (0.5, 0.2)
+
+
+@pytest.mark.parametrize(
+    ("rule", "expected"),
+    [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0), ("adascale", (1000 / 100 + 1) / (1000 / 400 + 1))],
+)
+def test_lr_scale_rules(rule, expected):
+    assert lr_scale(rule, 400, 100, noise_scale=1000.0) == pytest.approx(expected)
+    assert lr_scale(rule, 100, 100, noise_scale=1000.0) == 1.0
+
+
+def test_adascale_limits_and_unknown_noise_scale():
+    assert lr_scale("adascale", 400, 100, noise_scale=1e12) == pytest.approx(4.0)
+    assert lr_scale("adascale", 400, 100, noise_scale=0.0) == pytest.approx(1.0)
+    assert lr_scale("adascale", 400, 100, noise_scale=NAN) == pytest.approx(2.0)
+    assert lr_scale("adascale", 100, 100, noise_scale=NAN) == 1.0
+    assert set(LR_SCALING_RULES) == {"none", "linear", "sqrt", "adascale"}
+
+
+# --------------------------------------------------------------------------------------------------
+# bad arguments
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("build", "argument"),
+    [
+        (lambda: make_controller("ppo2"), "name"),
+        (lambda: PIDController(kp=0.0), "kp"),
+        (lambda: PIDController(kp=-1.0), "kp"),
+        (lambda: PIDController(ki=-0.1), "ki"),
+        (lambda: PIDController(kd=math.nan), "kd"),
+        (lambda: PIDController(smoothing=1.0), "smoothing"),
+        (lambda: PIDController(dead_band=1.0), "dead_band"),
+        (lambda: PIDController(dead_band=-0.1), "dead_band"),
+        (lambda: PIDController(min_batch_size=0), "min_batch_size"),
+        (lambda: PIDController(max_batch_size=[8, 0]), "max_batch_size"),
+        (lambda: PIDController(min_batch_size=64, max_batch_size=32), "min_batch_size"),
+        (lambda: PIDController(min_batch_size=[8, 64], max_batch_size=[16, 32]), "min_batch_size"),
+        (lambda: PIDController(global_batch_size=0), "global_batch_size"),
+        (lambda: PIDController(max_change=0.0), "max_change"),
+        (lambda: PIDController(lr_scaling="cubic"), "lr_scaling"),
+        (lambda: GoodputController(min_global_batch=512, max_global_batch=256), "min_global_batch"),
+        (lambda: GoodputController(window=1), "window"),
+        (lambda: GoodputController(grid_points=1), "grid_points"),
+        (lambda: GoodputController(dead_band=2.0), "dead_band"),
+        (lambda: GoodputController(base_batch_size=0), "base_batch_size"),
+        (lambda: validate_lr_scaling("cubic"), "lr_scaling"),
+    ],
+)
+def test_bad_arguments_raise_naming_the_argument(build, argument):
+    with pytest.raises(ValueError, match=f"`{argument}`"):
+        build()
+
+
+def test_unknown_controller_message_lists_the_valid_names():
+    with pytest.raises(ValueError, match="ppo2") as error:
+        make_controller("ppo2")
+    assert all(name in str(error.value) for name in ("static", "pid", "goodput"))
+
+
+def test_per_rank_bounds_of_the_wrong_length_are_reported():
+    controller = PIDController(min_batch_size=[1, 1, 1])
+    with pytest.raises(ValueError, match="min_batch_size"):
+        controller.decide(make_state([64, 64], [0.1, 0.1]))
+
+
+# --------------------------------------------------------------------------------------------------
+# resume
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: PIDController(ki=0.2, kd=0.1, smoothing=0.7, dead_band=0.0),
+        lambda: GoodputController(),
+        StaticController,
+    ],
+    ids=["pid", "goodput", "static"],
+)
+def test_a_restored_controller_makes_the_same_next_decision(build):
+    rng = random.Random(1)
+    states = []
+    sizes = [64, 64, 64]
+    for _ in range(6):
+        times = [(0.01 + c * b) * (1 + rng.uniform(-0.05, 0.05)) for c, b in zip([3e-3, 1e-3, 2e-3], sizes)]
+        states.append(make_state(sizes, times, noise_scale=300.0, comm_time=0.02))
+        sizes = [b + rng.randint(-8, 8) for b in sizes]
+    original = build()
+    for state in states[:-1]:
+        original.decide(state)
+    saved = json.loads(json.dumps(original.state_dict()))  # plain, JSON-able values
+    restored = build()
+    restored.load_state_dict(saved)
+    assert restored.decide(states[-1]) == original.decide(states[-1])

@@ -1,0 +1,174 @@
+"""Step timing, system sampling and the ClusterState encoding, in one process."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from lightning_dynamix.metrics import (
+    GLOBAL_FEATURES,
+    LOCAL_FEATURES,
+    ClusterState,
+    StepClock,
+    SystemMonitor,
+    WorkerMetrics,
+)
+
+
+class ManualTime:
+    """A clock the test moves by hand, so the derived times are exact."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def run_step(clock: StepClock, t: ManualTime, batch: int, data=0.01, compute=0.05, wait=0.02, tail=0.005, buckets=2):
+    clock.data_start()
+    t.advance(data)
+    clock.data_end(batch)
+    per_bucket = compute / buckets
+    for _ in range(buckets):
+        t.advance(per_bucket)
+        started = clock.bucket_ready(1000)
+        t.advance(0.001)
+        clock.bucket_done(started)
+        t.now -= 0.001  # the all-reduce ran while backward went on
+    t.advance(wait)
+    clock.backward_end()
+    t.advance(tail)
+    return clock.step_end()
+
+
+def test_step_clock_splits_a_step_into_data_own_compute_and_waiting_for_others():
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    record = run_step(clock, t, batch=32)
+    assert record.data_time == pytest.approx(0.01)
+    assert record.compute_time == pytest.approx(0.05)  # up to the last bucket being ready
+    assert record.sync_wait == pytest.approx(0.02)  # last bucket to the end of backward
+    assert record.step_time == pytest.approx(0.085)
+    assert record.comm_bytes == 2000
+    assert record.comm_time == pytest.approx(0.002)
+    assert clock.step_end() is None  # a second close of the same step is ignored
+
+
+def test_step_without_synchronisation_counts_all_of_backward_as_compute():
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    clock.data_start()
+    clock.data_end(8)
+    t.advance(0.03)
+    clock.backward_end()
+    record = clock.step_end()
+    assert not record.synchronised
+    assert record.compute_time == pytest.approx(0.03)
+    assert record.sync_wait == 0.0
+    summary = clock.summary()
+    assert math.isnan(summary.comm_time)
+    assert math.isnan(summary.bandwidth)
+
+
+def test_interval_summary_means_and_a_size_change_starts_the_interval_afresh():
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    for compute in (0.04, 0.06):
+        run_step(clock, t, batch=32, compute=compute)
+    summary = clock.summary()
+    assert summary.steps == 2
+    assert summary.compute_time == pytest.approx(0.05)
+    assert summary.samples_per_s == pytest.approx(32 / 0.085)
+    assert summary.bandwidth == pytest.approx(2000 / 0.002)
+    run_step(clock, t, batch=48, compute=0.09)  # trained at a new size: old times no longer apply
+    summary = clock.summary()
+    assert (summary.batch_size, summary.steps) == (48, 1)
+    assert summary.compute_time == pytest.approx(0.09)
+    clock.reset_interval()
+    assert clock.summary().steps == 0
+    assert math.isnan(clock.summary().step_time)
+
+
+def test_overlapping_all_reduces_count_once_in_comm_time():
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    clock.data_start()
+    clock.data_end(4)
+    first = clock.bucket_ready(10)
+    t.advance(0.01)
+    second = clock.bucket_ready(10)
+    t.advance(0.01)
+    clock.bucket_done(first)  # [0, 0.02]
+    t.advance(0.01)
+    clock.bucket_done(second)  # [0.01, 0.03]
+    clock.backward_end()
+    assert clock.step_end().comm_time == pytest.approx(0.03)
+
+
+def test_system_monitor_gives_cpu_and_memory_and_nan_for_a_gpu_that_is_not_there():
+    sample = SystemMonitor(gpu_index=None).sample()
+    assert 0.0 <= sample.cpu_util <= 100.0
+    assert 0.0 < sample.mem_util <= 100.0
+    assert math.isnan(sample.gpu_util)
+    assert math.isnan(sample.gpu_power_w)
+    missing = SystemMonitor(gpu_index=7)  # no NVML here, or no such GPU: NaN, never an error
+    assert math.isnan(missing.sample().gpu_mem_util) or missing.has_gpu
+
+
+def worker(rank, batch, compute, step=0.3, **extra):
+    """A rank that computes for ``compute`` seconds and waits for the slowest until ``step``."""
+    return WorkerMetrics(
+        rank=rank,
+        batch_size=batch,
+        data_time=0.0,
+        compute_time=compute,
+        sync_wait=step - compute,
+        step_time=step,
+        **extra,
+    )
+
+
+def test_cluster_state_throughput_against_the_ideal_sum_of_rank_speeds():
+    # equal batches, one rank 3x slower: the job runs at the slow rank's pace, half the ideal
+    state = ClusterState((worker(0, 32, 0.1), worker(1, 32, 0.3)))
+    assert state.throughput == pytest.approx(64 / 0.3)
+    assert state.ideal_throughput == pytest.approx(32 / 0.1 + 32 / 0.3)
+    assert state.throughput / state.ideal_throughput == pytest.approx(0.5)
+
+
+def test_observation_is_finite_scale_free_and_has_the_documented_shape():
+    state = ClusterState(
+        (worker(0, 32, 0.1, bandwidth=1e9), worker(1, 96, 0.3)),
+        loss=1.2,
+        loss_slope=-0.01,
+        gradient_noise_scale=float("nan"),
+        max_batch_size=128,
+    )
+    obs = state.observation()
+    assert obs["ranks"].shape == (2, len(LOCAL_FEATURES))
+    assert obs["cluster"].shape == (len(GLOBAL_FEATURES),)
+    assert obs["ranks"].dtype == np.float32
+    assert np.isfinite(obs["ranks"]).all()
+    assert np.isfinite(obs["cluster"]).all()
+    share = LOCAL_FEATURES.index("log2_batch_share")
+    assert obs["ranks"][1, share] - obs["ranks"][0, share] == pytest.approx(math.log2(3))
+    assert obs["cluster"][GLOBAL_FEATURES.index("noise_scale_known")] == 0.0
+    doubled = ClusterState(
+        tuple(worker(w.rank, w.batch_size, 2 * w.compute_time, step=0.6) for w in state.workers), max_batch_size=128
+    )
+    # twice as slow everywhere: relative features do not move
+    speed = LOCAL_FEATURES.index("relative_own_speed")
+    assert doubled.observation()["ranks"][:, speed] == pytest.approx(obs["ranks"][:, speed])
+
+
+def test_cluster_state_rejects_ranks_out_of_order():
+    with pytest.raises(ValueError, match="rank order"):
+        ClusterState((worker(1, 8, 0.1), worker(0, 8, 0.1)))
+    with pytest.raises(ValueError, match="one WorkerMetrics per rank"):
+        ClusterState(())
