@@ -327,7 +327,7 @@ class ClassificationTask(LightningModule):
         self,
         num_features: int = 32,
         num_classes: int = 10,
-        hidden: int = 512,
+        hidden: int = 768,
         depth: int = 2,
         lr: float = 0.05,
         momentum: float = 0.9,
