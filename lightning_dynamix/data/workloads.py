@@ -14,13 +14,15 @@ samples generated, the ceiling any model can reach.
 * :class:`ClassificationDataModule`: disjoint training and validation splits of one generated set.
 * :class:`ClassificationTask`: an MLP classifier that logs ``train_loss``, ``val_loss`` and ``val_acc``.
 
-The defaults are calibrated for ``dynamix demo`` and ``dynamix bench tta`` on CPU. With them the
-Bayes-optimal accuracy on the validation split is about 0.98 and the MLP levels off near 0.91
-(16384 training samples limit it); it passes :data:`DEFAULT_TARGET_ACCURACY` (0.85) after about
-8 epochs (1000 steps) at a global batch of 128 samples and ``lr=0.05`` (SGD, momentum 0.9), and
-after proportionally fewer steps when batch and learning rate grow together (0.1 at 256, 0.2 at
-512), while a larger batch at the same learning rate needs more epochs. One training step at batch
-size 64 costs about 3.5 ms of forward and backward pass on one CPU thread.
+The defaults are calibrated for ``dynamix demo`` and ``dynamix bench tta`` on CPU, one thread per
+process. The Bayes-optimal accuracy on the validation split is about 0.98; the MLP (two hidden
+layers of 768) levels off near 0.90, limited by the 16384 training samples. At a global batch of
+128 samples and ``lr=0.05`` (SGD, momentum 0.9) it passes :data:`DEFAULT_TARGET_ACCURACY` (0.85)
+after about 7-8 epochs (900-1000 steps; about 25 s for two gloo processes of 64 samples each).
+Batch and learning rate trade off linearly (``lr=0.1`` at 256 and ``0.2`` at 512 need about as many
+epochs), while a larger batch at the same learning rate needs more epochs, and ``lr=0.4`` at 128
+is too large (it levels off near 0.87). Forward and backward pass of one batch of 64 samples take
+about 5 ms on one CPU thread.
 """
 
 from __future__ import annotations
@@ -275,30 +277,15 @@ class ClassificationDataModule(LightningDataModule):
         )
 
 
-def _mlp(
-    num_features: int, num_classes: int, hidden: int, depth: int, generator: torch.Generator | None = None
-) -> nn.Sequential:
-    """A ReLU multi-layer perceptron with ``depth`` hidden layers of width ``hidden``.
-
-    Weights follow PyTorch's default ``nn.Linear`` initialisation, drawn from ``generator``
-    (the global generator when ``None``).
-    """
+def _mlp(num_features: int, num_classes: int, hidden: int, depth: int) -> nn.Sequential:
+    """A ReLU multi-layer perceptron with ``depth`` hidden layers of width ``hidden``."""
     layers: list[nn.Module] = []
     width = num_features
     for _ in range(depth):
         layers += [nn.Linear(width, hidden), nn.ReLU()]
         width = hidden
     layers.append(nn.Linear(width, num_classes))
-    network = nn.Sequential(*layers)
-    if generator is not None:
-        with torch.no_grad():
-            for module in network:
-                if isinstance(module, nn.Linear):
-                    bound = 1.0 / math.sqrt(module.in_features)
-                    # kaiming_uniform_(a=sqrt(5)) and the bias rule of nn.Linear both reduce to U(-bound, bound)
-                    module.weight.uniform_(-bound, bound, generator=generator)
-                    module.bias.uniform_(-bound, bound, generator=generator)
-    return network
+    return nn.Sequential(*layers)
 
 
 class ClassificationTask(LightningModule):
@@ -314,7 +301,8 @@ class ClassificationTask(LightningModule):
         num_classes: classes.
         hidden: width of each hidden layer.
         depth: number of hidden layers (0 is a linear classifier).
-        lr: learning rate.
+        lr: learning rate; the default suits SGD at a global batch of 128 samples (scale it in proportion
+            to the global batch: 0.1 at 256, 0.2 at 512).
         momentum: SGD momentum (ignored by Adam).
         optimizer: ``"sgd"`` or ``"adam"``.
         weight_decay: L2 penalty coefficient.
@@ -351,8 +339,13 @@ class ClassificationTask(LightningModule):
         if seed is not None:
             _check_int("seed", seed, 0)
         self.save_hyperparameters()
-        generator = None if seed is None else torch.Generator().manual_seed(seed)
-        self.network = _mlp(num_features, num_classes, hidden, depth, generator)
+        if seed is None:
+            self.network = _mlp(num_features, num_classes, hidden, depth)
+        else:
+            # PyTorch's default initialisation, from a seeded generator the caller's random state never sees
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                self.network = _mlp(num_features, num_classes, hidden, depth)
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_loss = MeanMetric()
 
@@ -367,6 +360,14 @@ class ClassificationTask(LightningModule):
         loss = F.cross_entropy(self(x), y)
         self.log("train_loss", loss, sync_dist=self.hparams.sync_train_loss, prog_bar=True)
         return loss
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        # A `trainer.validate()` runs under inference mode, so the metric states it leaves behind are inference
+        # tensors that a later `trainer.fit()` (whose validation runs under no_grad) could not update in place;
+        # resetting here recreates them as ordinary tensors whenever that matters.
+        self.val_loss.reset()
+        self.val_accuracy.reset()
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
