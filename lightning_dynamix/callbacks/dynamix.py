@@ -18,6 +18,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
 from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
@@ -75,19 +76,8 @@ class DynamixCallback(ClusterMetricsMonitor):
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
     ) -> None:
-        if min_batch_size is not None and (
-            isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int) or min_batch_size < 1
-        ):
-            raise ValueError(f"`min_batch_size` must be None or an int >= 1, got {min_batch_size!r}")
-        if max_batch_size is not None and (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or max_batch_size < max(1, min_batch_size or 1)
-        ):
-            raise ValueError(
-                f"`max_batch_size` must be None or an int >= min_batch_size ({min_batch_size or 1}),"
-                f" got {max_batch_size!r}"
-            )
+        require_optional_int("min_batch_size", min_batch_size, 1)
+        require_optional_int("max_batch_size", max_batch_size, min_batch_size or 1, "min_batch_size")
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         if isinstance(controller, str):
             if controller not in CONTROLLERS:
@@ -131,7 +121,6 @@ class DynamixCallback(ClusterMetricsMonitor):
         self.max_batch_size = max_batch_size
         self.lr_scale = 1.0
         self.base_global_batch: int | None = None
-        self._restored_sizes: list[int] | None = None
         self._warned_not_finite = False
 
     # ------------------------------------------------------------------ set-up
@@ -159,6 +148,7 @@ class DynamixCallback(ClusterMetricsMonitor):
             )
 
     @property
+    @override
     def bounds(self) -> tuple[int, int | None]:
         """The effective ``(min_batch_size, max_batch_size)``: the callback's, else the strategy's."""
         strategy = self._strategy_or_fail()
@@ -169,32 +159,10 @@ class DynamixCallback(ClusterMetricsMonitor):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        strategy = self._strategy_or_fail()
-        sizes = list(strategy.batch_sizes or ())
-        if self._restored_sizes is not None and self._restored_sizes != sizes:
-            # the sampler's own state normally brings them back; this covers a loader that had none
-            strategy.set_batch_sizes(self._restored_sizes)
-            sizes = list(self._restored_sizes)
         if self.base_global_batch is None:
-            self.base_global_batch = sum(sizes)
+            self.base_global_batch = sum(self._strategy_or_fail().batch_sizes or ())
 
     # ------------------------------------------------------------------ deciding
-    @override
-    def gather_state(self, trainer: Trainer, pl_module: LightningModule) -> ClusterState:
-        state = super().gather_state(trainer, pl_module)
-        low, high = self.bounds
-        return ClusterState(
-            workers=state.workers,
-            step=state.step,
-            epoch=state.epoch,
-            loss=state.loss,
-            loss_slope=state.loss_slope,
-            gradient_noise_scale=state.gradient_noise_scale,
-            lr=state.lr,
-            min_batch_size=low,
-            max_batch_size=high,
-        )
-
     @override
     def decide_and_apply(self, trainer: Trainer, pl_module: LightningModule, state: ClusterState) -> Decision:
         strategy = self._strategy_or_fail()
@@ -261,14 +229,12 @@ class DynamixCallback(ClusterMetricsMonitor):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
+        # the batch sizes themselves are in the training DataLoader's state (the sampler's schedule)
         state = super().state_dict()
-        strategy = self._strategy
-        sizes = strategy.batch_sizes if strategy is not None else None
         state.update(
             controller=self.controller.state_dict(),
             lr_scale=self.lr_scale,
             base_global_batch=self.base_global_batch,
-            batch_sizes=None if sizes is None else list(sizes),
             warned_not_finite=self._warned_not_finite,
         )
         return state
@@ -279,6 +245,4 @@ class DynamixCallback(ClusterMetricsMonitor):
         self.controller.load_state_dict(state_dict["controller"])
         self.lr_scale = float(state_dict["lr_scale"])
         self.base_global_batch = state_dict["base_global_batch"]
-        sizes = state_dict.get("batch_sizes")
-        self._restored_sizes = None if sizes is None else [int(b) for b in sizes]
         self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))

@@ -22,29 +22,30 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dynamix._checks import require_number
 from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
 from lightning_dynamix.metrics import StepClock
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 _RECENT_STEPS = 5  # own per-sample compute times the next sleep is based on (their median)
 
 
-def _positive_factor(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0 or value == float("inf"):
-        raise ValueError(f"`{name}` must be a finite number > 0 (1.0 = the rank's own speed), got {value!r}")
-    return float(value)
+def _slowdown(name: str, value: object) -> float:
+    # sleeping can only slow a rank down: a factor below 1 could not be honoured
+    return require_number(name, value, 1.0)
 
 
 class HeterogeneityEmulator(Callback):
     """Slows ranks down by a factor each, changeable at scheduled steps. For benchmarks and tests.
 
     Args:
-        factors: one factor per rank, ``>= 1`` to slow it down (1.0 = the rank's own speed; a factor
-            below 1 cannot speed a rank up and is treated as 1).
+        factors: one factor per rank, ``>= 1`` (1.0 = the rank's own speed, 3.0 = three times slower;
+            sleeping cannot make a rank faster, so factors below 1 are rejected).
         schedule: ``(step, rank, factor)`` entries: from optimizer step ``step`` on, rank ``rank``
             runs at ``factor``.
 
     Raises:
-        ValueError: for factors <= 0, an empty ``factors``, or a schedule entry that is malformed or
+        ValueError: for factors below 1 (or not finite), an empty ``factors``, or a schedule entry that is malformed or
             names a rank that does not exist.
         MisconfigurationException: at set-up, if ``factors`` does not have one entry per rank or the
             strategy is not ``HeterogeneousDDPStrategy`` (whose step clock measures own compute).
@@ -53,7 +54,7 @@ class HeterogeneityEmulator(Callback):
     def __init__(self, factors: Sequence[float], schedule: Sequence[Sequence[float]] = ()) -> None:
         if isinstance(factors, str) or not isinstance(factors, Sequence) or not factors:
             raise ValueError(f"`factors` must be a non-empty list with one factor per rank, got {factors!r}")
-        self.factors = [_positive_factor(f"factors[{i}]", f) for i, f in enumerate(factors)]
+        self.factors = [_slowdown(f"factors[{i}]", f) for i, f in enumerate(factors)]
         entries: list[tuple[int, int, float]] = []
         for i, entry in enumerate(schedule):
             if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
@@ -66,13 +67,14 @@ class HeterogeneityEmulator(Callback):
                     f"`schedule[{i}]` names rank {rank!r}, but `factors` gives {len(self.factors)} ranks"
                     f" (0 to {len(self.factors) - 1})"
                 )
-            entries.append((step, rank, _positive_factor(f"schedule[{i}] factor", factor)))
+            entries.append((step, rank, _slowdown(f"schedule[{i}] factor", factor)))
         self.schedule = sorted(entries, key=lambda e: e[0])
         self._clock: StepClock | None = None
         self._rank = 0
         self._per_sample: deque[float] = deque(maxlen=_RECENT_STEPS)
         self._slept = 0.0
-        self._slept_step: int | None = None
+        self._backward_seen = False  # the last step ran backward, so its compute time is a measurement
+        self._strategy: HeterogeneousDDPStrategy | None = None
 
     def factor_at(self, rank: int, step: int) -> float:
         """Rank ``rank``'s factor at optimizer step ``step``."""
@@ -94,6 +96,7 @@ class HeterogeneityEmulator(Callback):
                 f"HeterogeneityEmulator(factors={self.factors}) has {len(self.factors)} factors but the job has"
                 f" {trainer.world_size} ranks; give one factor per rank."
             )
+        self._strategy = strategy
         self._clock = strategy.enable_step_clock()
         self._rank = trainer.global_rank
 
@@ -101,17 +104,16 @@ class HeterogeneityEmulator(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self._clock is not None
         last = self._clock.last_step
-        if last is not None and self._slept_step is not None and last.batch_size > 0:
+        if last is not None and self._backward_seen and last.batch_size > 0:
             self._per_sample.append(max(0.0, last.compute_time - self._slept) / last.batch_size)
-        self._slept, self._slept_step = 0.0, None
+        self._slept, self._backward_seen = 0.0, False
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
-        assert self._clock is not None
-        strategy = trainer.strategy
-        sizes = getattr(strategy, "current_batch_sizes", None)
+        assert self._strategy is not None
+        sizes = self._strategy.current_batch_sizes
         factor = self.factor_at(self._rank, trainer.global_step)
-        self._slept_step = trainer.global_step
+        self._backward_seen = True
         if sizes is None or not self._per_sample or factor <= 1.0:
             return
         seconds = (factor - 1.0) * statistics.median(self._per_sample) * sizes[self._rank]

@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_dynamix._checks import require_int
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.distributed import gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
@@ -45,12 +46,6 @@ class IntervalRecord:
     time: float
     state: ClusterState
     decision: Decision | None = None
-
-
-def _require_int(name: str, value: object, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
-    return value
 
 
 def _heterogeneous_strategy(trainer: Trainer, owner: str) -> HeterogeneousDDPStrategy:
@@ -87,8 +82,8 @@ class ClusterMetricsMonitor(Callback):
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
     ) -> None:
-        self.interval = _require_int("interval", interval, 1)
-        self.warmup_steps = _require_int("warmup_steps", warmup_steps, 0)
+        self.interval = require_int("interval", interval, 1)
+        self.warmup_steps = require_int("warmup_steps", warmup_steps, 0)
         self.measure_noise_scale = bool(gradient_noise_scale)
         self.noise_scale = GradientNoiseScale(ema_decay=noise_scale_ema) if self.measure_noise_scale else None
         self.log_per_rank = bool(log_per_rank)
@@ -145,8 +140,10 @@ class ClusterMetricsMonitor(Callback):
         self._clock.step_end()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            loss = loss.detach().float()
-            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            # summed on the loss's device: read back once per interval, not once per step
+            if self._loss_sum is None:
+                self._loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
+            self._loss_sum.add_(loss.detach().reshape(()))
             self._loss_count += 1
         step = trainer.global_step
         if step == self._last_global_step:
@@ -163,6 +160,12 @@ class ClusterMetricsMonitor(Callback):
         self.history.append(record)
         self._log(trainer, record)
         self._start_interval()
+
+    @property
+    def bounds(self) -> tuple[int, int | None]:
+        """``(min_batch_size, max_batch_size)`` the gathered state carries: the strategy's."""
+        strategy = self._strategy_or_fail()
+        return strategy.min_batch_size, strategy.max_batch_size
 
     def decide_and_apply(self, trainer: Trainer, pl_module: LightningModule, state: ClusterState) -> Decision | None:
         """Nothing to decide for a monitor; :class:`DynamixCallback` decides here."""
@@ -216,6 +219,7 @@ class ClusterMetricsMonitor(Callback):
             noise_scale = float(self.noise_scale.compute())  # declared-sum state: one more gather
         optimizers = trainer.optimizers
         lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else NAN
+        low, high = self.bounds
         return ClusterState(
             workers=workers,
             step=trainer.global_step,
@@ -224,8 +228,8 @@ class ClusterMetricsMonitor(Callback):
             loss_slope=_slope(self._loss_points),
             gradient_noise_scale=noise_scale,
             lr=lr,
-            min_batch_size=strategy.min_batch_size,
-            max_batch_size=strategy.max_batch_size,
+            min_batch_size=low,
+            max_batch_size=high,
         )
 
     # ------------------------------------------------------------------ logging

@@ -9,12 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.cli.bench import _machine
-from lightning_dynamix.cli.experiments import RunConfig, RunResult, is_launcher_rank_zero, run
+from lightning_dynamix.cli.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.cli.plots import plot_runs
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
 
 
 def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
@@ -27,7 +23,7 @@ def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--speeds", type=_floats, default=(1.0, 3.0), help="slowdown per rank (default 1,3)")
+    parser.add_argument("--speeds", type=floats, default=(1.0, 3.0), help="slowdown per rank (default 1,3)")
     parser.add_argument("--batch-size", type=int, default=256, help="initial batch size of every rank (default 256)")
     parser.add_argument("--interval", type=int, default=5, help="optimizer steps per decision (default 5)")
     parser.add_argument("--hidden", type=int, default=256, help="width of the classifier's layers (default 256)")

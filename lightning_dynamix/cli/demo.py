@@ -7,17 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.cli.experiments import RunConfig, RunResult, is_launcher_rank_zero, run
+from lightning_dynamix.cli.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.cli.plots import plot_runs
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(x) for x in text.split(","))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--speeds", type=_floats, default=(1.0, 3.0), help="slowdown per rank; one process each (default 1,3)"
+        "--speeds", type=floats, default=(1.0, 3.0), help="slowdown per rank; one process each (default 1,3)"
     )
     parser.add_argument("--controller", default="pid", help="controller against static: pid or goodput (default pid)")
     parser.add_argument("--epochs", type=int, default=3, help="training epochs of each run (default 3)")

@@ -216,3 +216,8 @@ def run(config: RunConfig) -> RunResult | None:
 def is_launcher_rank_zero() -> bool:
     """Whether this process is the one the user started (Lightning's launcher starts the others)."""
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def floats(text: str) -> tuple[float, ...]:
+    """Parse ``"1,3"`` (a command-line list of speeds) into ``(1.0, 3.0)``."""
+    return tuple(float(x) for x in text.split(","))

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dynamix.control.base import BatchController, Decision, per_rank_bounds
+from lightning_dynamix.control.allocation import (
+    own_busy_time,
+    per_rank_bounds,
+    resolve_bounds,
+    round_to_total,
+    split_in_proportion,
+)
+from lightning_dynamix.control.base import BatchController, Decision
 from lightning_dynamix.control.goodput import (
     GoodputController,
     equal_time_split,
@@ -22,13 +29,7 @@ from lightning_dynamix.control.goodput import (
     statistical_efficiency,
 )
 from lightning_dynamix.control.lr_scaling import LR_SCALING_RULES, adascale_gain, lr_scale, validate_lr_scaling
-from lightning_dynamix.control.pid import (
-    PIDController,
-    own_busy_time,
-    resolve_bounds,
-    round_to_total,
-    split_in_proportion,
-)
+from lightning_dynamix.control.pid import PIDController
 from lightning_dynamix.control.static import StaticController
 
 CONTROLLERS: dict[str, type[Any]] = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -53,17 +52,3 @@ class BatchController(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
-
-
-def per_rank_bounds(
-    value: int | Sequence[int] | None, world_size: int, name: str, default: int | None
-) -> list[int | None]:
-    """Expand a bound given once for all ranks, or once per rank, to a list of ``world_size``."""
-    if value is None:
-        return [default] * world_size
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value] * world_size
-    values = list(value)
-    if len(values) != world_size:
-        raise ValueError(f"`{name}` has {len(values)} entries but the job has {world_size} ranks")
-    return values

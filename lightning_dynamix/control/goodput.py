@@ -41,16 +41,16 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dynamix.control.base import Decision
-from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
-from lightning_dynamix.control.pid import (
+from lightning_dynamix._checks import require_int, require_number, require_optional_int
+from lightning_dynamix.control.allocation import (
     own_busy_time,
     resolve_bounds,
     round_to_total,
     validate_bound,
     validate_bound_pair,
-    validate_number,
 )
+from lightning_dynamix.control.base import Decision
+from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
 # relative distance between an observation and the model's prediction beyond which the rank's
@@ -164,9 +164,9 @@ class GoodputController:
         dead_band: float = 0.02,
         lr_scaling: str = "adascale",
     ) -> None:
-        self.base_batch_size = _validate_optional_int(base_batch_size, "base_batch_size", 1)
-        self.min_global_batch = _validate_optional_int(min_global_batch, "min_global_batch", 1)
-        self.max_global_batch = _validate_optional_int(max_global_batch, "max_global_batch", 1)
+        self.base_batch_size = require_optional_int("base_batch_size", base_batch_size, 1)
+        self.min_global_batch = require_optional_int("min_global_batch", min_global_batch, 1)
+        self.max_global_batch = require_optional_int("max_global_batch", max_global_batch, 1)
         if (
             self.min_global_batch is not None
             and self.max_global_batch is not None
@@ -179,9 +179,9 @@ class GoodputController:
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
-        self.window = _validate_int(window, "window", 2)
-        self.grid_points = _validate_int(grid_points, "grid_points", 2)
-        self.dead_band = validate_number(dead_band, "dead_band", 0.0, 1.0, low_open=False, high_open=True)
+        self.window = require_int("window", window, 2)
+        self.grid_points = require_int("grid_points", grid_points, 2)
+        self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         self._base_global_batch: int | None = base_batch_size
         self._observations: list[list[tuple[int, float]]] = []
@@ -279,17 +279,3 @@ class GoodputController:
             f" max_global_batch={self.max_global_batch}, window={self.window}, grid_points={self.grid_points},"
             f" dead_band={self.dead_band}, lr_scaling={self.lr_scaling!r})"
         )
-
-
-def _validate_int(value: object, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
-def _validate_optional_int(value: object, name: str, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum} (samples) or None for the default, got {value!r}.")
-    return value

@@ -43,8 +43,9 @@ term kicks back after every successful step. ``ki > 0`` is for speeds that drift
 throttling device): it removes the lag in following a ramp.
 
 The new shares become integer sizes by splitting the global batch in proportion to them within
-the per-rank bounds (:func:`split_in_proportion`: overflow at a bound is spread over the other
-ranks, the total is kept exactly by largest-remainder rounding). Two things keep the sizes still:
+the per-rank bounds (:func:`~lightning_dynamix.control.allocation.split_in_proportion`: overflow
+at a bound is spread over the other ranks, the total is kept exactly by largest-remainder
+rounding). Two things keep the sizes still:
 
 * dead band: if every rank's relative change ``|b_i' - b_i| / b_i`` is below ``dead_band``, the
   current sizes are kept exactly and the integral is reset to 0: errors too small to act on never
@@ -64,9 +65,18 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dynamix.control.base import Decision, per_rank_bounds
+from lightning_dynamix._checks import require_number
+from lightning_dynamix.control.allocation import (
+    own_busy_time,
+    proportional_fill,
+    resolve_bounds,
+    round_to_total,
+    validate_bound,
+    validate_bound_pair,
+)
+from lightning_dynamix.control.base import Decision
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
-from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
+from lightning_dynamix.metrics.state import ClusterState
 
 # the smallest share a rank's weight may reach before it is split: keeps weights positive
 _MIN_SHARE = 1e-6
@@ -76,183 +86,6 @@ _SECANT_MIN_STEP = 0.05
 _MAX_SECANT_GAIN = 3.0
 # the integral (in shares of the global batch) is never allowed to exceed this in magnitude
 _INTEGRAL_LIMIT = 1.0
-
-BoundArg = int | Sequence[int] | None
-
-
-# --------------------------------------------------------------------------------------------------
-# splitting a global batch over ranks: shared by every controller
-# --------------------------------------------------------------------------------------------------
-
-
-def resolve_bounds(
-    state: ClusterState, min_batch_size: BoundArg = None, max_batch_size: BoundArg = None
-) -> tuple[list[int], list[int | None]]:
-    """Per-rank ``[lower, upper]`` sizes (samples) from a controller's bounds and the state's.
-
-    Each rank's range is the intersection of the controller's bound (one int for all ranks or one
-    per rank) with ``state.min_batch_size`` / ``state.max_batch_size`` and with ``>= 1``. Where the
-    intersection is empty the upper bound wins (it is usually a memory limit): lower = upper.
-
-    Raises:
-        ValueError: when a per-rank bound does not have one entry per rank.
-    """
-    n = state.world_size
-    lows = per_rank_bounds(min_batch_size, n, "min_batch_size", 1)
-    highs = per_rank_bounds(max_batch_size, n, "max_batch_size", None)
-    lower: list[int] = []
-    upper: list[int | None] = []
-    for low, high in zip(lows, highs):
-        lo = max(1, int(low or 1), int(state.min_batch_size))
-        caps = [int(c) for c in (high, state.max_batch_size) if c is not None]
-        hi = max(1, min(caps)) if caps else None
-        if hi is not None and lo > hi:
-            lo = hi
-        lower.append(lo)
-        upper.append(hi)
-    return lower, upper
-
-
-def _fill(weights: Sequence[float], total: float, lower: Sequence[float], upper: Sequence[float | None]) -> list[float]:
-    """Continuous ``x_i = clip(lam * w_i, lower_i, upper_i)`` with ``sum x = total`` (or the nearest bound)."""
-    n = len(weights)
-    if sum(lower) >= total:
-        return [float(v) for v in lower]
-    if all(u is not None for u in upper) and sum(u for u in upper if u is not None) <= total:
-        return [float(u) for u in upper if u is not None]
-
-    def filled(lam: float) -> float:
-        return sum(_clip(lam * weights[i], lower[i], upper[i]) for i in range(n))
-
-    # f(lam) is continuous, non-decreasing and linear between the points where a rank leaves a bound
-    points = sorted({lower[i] / weights[i] for i in range(n)} | {u / weights[i] for i, u in enumerate(upper) if u})
-    prev_lam, prev_f = 0.0, filled(0.0)
-    for lam in points:
-        f = filled(lam)
-        if f >= total:
-            lam_star = prev_lam + (total - prev_f) * (lam - prev_lam) / (f - prev_f) if f > prev_f else lam
-            return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
-        prev_lam, prev_f = lam, f
-    # beyond the last point only ranks without an upper bound still grow
-    slope = sum(weights[i] for i in range(n) if upper[i] is None)
-    lam_star = prev_lam + (total - prev_f) / slope
-    return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
-
-
-def _clip(value: float, low: float, high: float | None) -> float:
-    value = max(value, low)
-    return value if high is None else min(value, high)
-
-
-def round_to_total(
-    values: Sequence[float], total: int, lower: Sequence[int], upper: Sequence[int | None]
-) -> tuple[int, ...]:
-    """Round non-negative real sizes to ints within ``[lower_i, upper_i]`` that sum to ``total``.
-
-    Largest-remainder rounding: every size is rounded down, then the samples still missing go one
-    each to the ranks with the largest fractional parts (ties to the lower rank) that are below
-    their upper bound. If the bounds make ``total`` impossible, the result is the closest sum the
-    bounds allow.
-    """
-    sizes = [max(lo, math.floor(v + 1e-9)) for v, lo in zip(values, lower)]
-    sizes = [s if hi is None else min(s, hi) for s, hi in zip(sizes, upper)]
-    missing = total - sum(sizes)
-    while missing > 0:
-        grow = [i for i in range(len(sizes)) if upper[i] is None or sizes[i] < upper[i]]  # type: ignore[operator]
-        if not grow:
-            break
-        i = max(grow, key=lambda j: (values[j] - sizes[j], -j))
-        sizes[i] += 1
-        missing -= 1
-    while missing < 0:
-        shrink = [i for i in range(len(sizes)) if sizes[i] > lower[i]]
-        if not shrink:
-            break
-        i = min(shrink, key=lambda j: (values[j] - sizes[j], j))
-        sizes[i] -= 1
-        missing += 1
-    return tuple(int(s) for s in sizes)
-
-
-def split_in_proportion(
-    total: int, weights: Sequence[float], lower: Sequence[int], upper: Sequence[int | None]
-) -> tuple[int, ...]:
-    """Split ``total`` samples over ranks in proportion to ``weights``, within per-rank bounds.
-
-    Ranks whose proportional size falls outside ``[lower_i, upper_i]`` are held at the bound and
-    the overflow is spread over the others in proportion to their weights (water filling); the
-    result is rounded by largest remainders so that it sums to ``total`` exactly. If the bounds
-    make ``total`` impossible (``sum(lower) > total`` or ``sum(upper) < total``) every rank gets
-    its bound: the closest achievable total.
-
-    Args:
-        total: samples to split (the global batch).
-        weights: one finite weight > 0 per rank (e.g. speeds in samples/s, or shares).
-        lower: smallest size per rank, samples, >= 1.
-        upper: largest size per rank, samples; ``None`` for no limit.
-    """
-    if not weights:
-        raise ValueError("`weights` must hold one weight per rank, got none")
-    if any(not (math.isfinite(w) and w > 0) for w in weights):
-        raise ValueError(f"`weights` must be finite and > 0, got {list(weights)!r}")
-    return round_to_total(_fill(weights, total, lower, upper), total, lower, upper)
-
-
-def own_busy_time(worker: WorkerMetrics) -> float:
-    """A rank's own work per step, seconds: ``compute_time + data_time`` (a missing data time counts as 0)."""
-    data = worker.data_time if math.isfinite(worker.data_time) and worker.data_time > 0 else 0.0
-    return worker.compute_time + data
-
-
-# --------------------------------------------------------------------------------------------------
-# argument checks shared by the controllers
-# --------------------------------------------------------------------------------------------------
-
-
-def validate_bound(value: object, name: str, *, allow_none: bool) -> int | tuple[int, ...] | None:
-    """Check a batch-size bound given as one int >= 1, one int >= 1 per rank, or (if allowed) ``None``."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ValueError(f"`{name}` must be an int >= 1 (samples), got {value!r}.")
-        return value
-    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0:
-        values = tuple(value)
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
-            return values
-    what = "an int >= 1 or one int >= 1 per rank" + (", or None for no limit" if allow_none else "")
-    raise ValueError(f"`{name}` must be {what}, got {value!r}.")
-
-
-def validate_bound_pair(low: int | tuple[int, ...] | None, high: int | tuple[int, ...] | None) -> None:
-    """Check that ``min_batch_size <= max_batch_size`` rank by rank where both are given."""
-    if low is None or high is None:
-        return
-    if isinstance(low, tuple) and isinstance(high, tuple) and len(low) != len(high):
-        raise ValueError(
-            f"`min_batch_size` and `max_batch_size` must have the same number of ranks, got {list(low)!r}"
-            f" and {list(high)!r}."
-        )
-    lows = low if isinstance(low, tuple) else (low,) * (len(high) if isinstance(high, tuple) else 1)
-    highs = high if isinstance(high, tuple) else (high,) * len(lows)
-    if any(lo > hi for lo, hi in zip(lows, highs)):
-        raise ValueError(
-            f"`min_batch_size` must be <= `max_batch_size` on every rank, got min_batch_size={low!r} and"
-            f" max_batch_size={high!r}."
-        )
-
-
-def validate_number(value: object, name: str, low: float, high: float, *, low_open: bool, high_open: bool) -> float:
-    """Check that ``value`` is a finite number in the interval from ``low`` to ``high`` (open or closed ends)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        v = float(value)  # type: ignore[arg-type]
-        ok = (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-    if not ok:
-        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
-        raise ValueError(f"`{name}` must be a number in {interval}, got {value!r}.")
-    return float(value)  # type: ignore[arg-type]
 
 
 def _capped_bounds(
@@ -337,11 +170,11 @@ class PIDController:
         lr_scaling: str = "none",
         adaptive_gain: bool = True,
     ) -> None:
-        self.kp = validate_number(kp, "kp", 0.0, math.inf, low_open=True, high_open=True)
-        self.ki = validate_number(ki, "ki", 0.0, math.inf, low_open=False, high_open=True)
-        self.kd = validate_number(kd, "kd", 0.0, math.inf, low_open=False, high_open=True)
-        self.smoothing = validate_number(smoothing, "smoothing", 0.0, 1.0, low_open=False, high_open=True)
-        self.dead_band = validate_number(dead_band, "dead_band", 0.0, 1.0, low_open=False, high_open=True)
+        self.kp = require_number("kp", kp, 0.0, math.inf, low_open=True, high_open=True)
+        self.ki = require_number("ki", ki, 0.0, math.inf, low_open=False, high_open=True)
+        self.kd = require_number("kd", kd, 0.0, math.inf, low_open=False, high_open=True)
+        self.smoothing = require_number("smoothing", smoothing, 0.0, 1.0, low_open=False, high_open=True)
+        self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
@@ -354,7 +187,7 @@ class PIDController:
             )
         self.global_batch_size = global_batch_size
         if max_change is not None:
-            max_change = validate_number(max_change, "max_change", 0.0, math.inf, low_open=True, high_open=True)
+            max_change = require_number("max_change", max_change, 0.0, math.inf, low_open=True, high_open=True)
         self.max_change = max_change
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         if not isinstance(adaptive_gain, bool):
@@ -411,10 +244,10 @@ class PIDController:
         ]
         weights = [max(d, _MIN_SHARE) for d in desired]
         low, high = lower, upper
-        split = _fill(weights, total, lower, upper)
+        split = proportional_fill(weights, total, lower, upper)
         if self.max_change is not None:
             capped_low, capped_high = _capped_bounds(current, lower, upper, self.max_change)
-            capped = _fill(weights, total, capped_low, capped_high)
+            capped = proportional_fill(weights, total, capped_low, capped_high)
             if abs(sum(capped) - sum(split)) < 0.5:
                 split, low, high = capped, capped_low, capped_high
         proposal = round_to_total(split, total, low, high)

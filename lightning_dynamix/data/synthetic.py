@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset
 
+from lightning_dynamix._checks import require_int
+
 
 class SyntheticClassificationDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """Gaussian features labelled by a hidden random two-layer network.
@@ -31,13 +33,9 @@ class SyntheticClassificationDataset(Dataset[tuple[torch.Tensor, torch.Tensor]])
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        for name, value, low in (
-            ("num_samples", num_samples, 1),
-            ("num_features", num_features, 1),
-            ("num_classes", num_classes, 2),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
+        require_int("num_samples", num_samples, 1)
+        require_int("num_features", num_features, 1)
+        require_int("num_classes", num_classes, 2)
         if not 0.0 <= label_noise < 1.0:
             raise ValueError(f"`label_noise` must lie in [0, 1), got {label_noise!r}")
         if not dtype.is_floating_point:

@@ -27,7 +27,6 @@ about 5 ms on one CPU thread.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -39,6 +38,8 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_dynamix._checks import require_int, require_number
+
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerName = Literal["sgd", "adam"]
 
@@ -49,18 +50,6 @@ _SAMPLE_STREAM = 0x5EED_DA7A
 """Offset between the seed of the mixture (centres, rotation) and the seed of the samples drawn from it."""
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
-
-
-def _check_number(name: str, value: object, low: float, *, inclusive: bool = True) -> None:
-    valid = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not valid or value < low or (not inclusive and value == low):
-        bound = ">=" if inclusive else ">"
-        raise ValueError(f"`{name}` must be a finite number {bound} {low}, got {value!r}")
-
-
 def _check_mixture(
     num_features: object,
     num_classes: object,
@@ -69,16 +58,16 @@ def _check_mixture(
     separation: object,
     feature_scale_ratio: object,
 ) -> None:
-    _check_int("num_features", num_features, 1)
-    _check_int("num_classes", num_classes, 2)
-    _check_int("clusters_per_class", clusters_per_class, 1)
-    _check_int("informative_features", informative_features, 1)
+    require_int("num_features", num_features, 1)
+    require_int("num_classes", num_classes, 2)
+    require_int("clusters_per_class", clusters_per_class, 1)
+    require_int("informative_features", informative_features, 1)
     if num_features < informative_features:  # type: ignore[operator]
         raise ValueError(
             f"`num_features` must be at least `informative_features` ({informative_features}), got {num_features}"
         )
-    _check_number("separation", separation, 0.0, inclusive=False)
-    _check_number("feature_scale_ratio", feature_scale_ratio, 1.0)
+    require_number("separation", separation, 0.0, low_open=True)
+    require_number("feature_scale_ratio", feature_scale_ratio, 1.0)
 
 
 class GaussianMixtureClassificationDataset(Dataset[Batch]):
@@ -129,11 +118,11 @@ class GaussianMixtureClassificationDataset(Dataset[Batch]):
         seed: int = 0,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        _check_int("num_samples", num_samples, 1)
+        require_int("num_samples", num_samples, 1)
         _check_mixture(
             num_features, num_classes, clusters_per_class, informative_features, separation, feature_scale_ratio
         )
-        _check_int("seed", seed, 0)
+        require_int("seed", seed, 0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"`dtype` must be a floating torch dtype such as torch.float32, got {dtype!r}")
 
@@ -210,15 +199,15 @@ class ClassificationDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        _check_int("num_samples", num_samples, 1)
-        _check_int("num_val_samples", num_val_samples, 1)
-        _check_int("batch_size", batch_size, 1)
-        _check_int("val_batch_size", val_batch_size, 1)
-        _check_int("num_workers", num_workers, 0)
+        require_int("num_samples", num_samples, 1)
+        require_int("num_val_samples", num_val_samples, 1)
+        require_int("batch_size", batch_size, 1)
+        require_int("val_batch_size", val_batch_size, 1)
+        require_int("num_workers", num_workers, 0)
         _check_mixture(
             num_features, num_classes, clusters_per_class, informative_features, separation, feature_scale_ratio
         )
-        _check_int("seed", seed, 0)
+        require_int("seed", seed, 0)
         self.save_hyperparameters()
         self.num_features = num_features
         self.num_classes = num_classes
@@ -325,19 +314,17 @@ class ClassificationTask(LightningModule):
         sync_train_loss: bool = False,
     ) -> None:
         super().__init__()
-        _check_int("num_features", num_features, 1)
-        _check_int("num_classes", num_classes, 2)
-        _check_int("hidden", hidden, 1)
-        _check_int("depth", depth, 0)
-        _check_number("lr", lr, 0.0, inclusive=False)
-        _check_number("momentum", momentum, 0.0)
-        if momentum >= 1.0:
-            raise ValueError(f"`momentum` must be a number in [0, 1), got {momentum!r}")
+        require_int("num_features", num_features, 1)
+        require_int("num_classes", num_classes, 2)
+        require_int("hidden", hidden, 1)
+        require_int("depth", depth, 0)
+        require_number("lr", lr, 0.0, low_open=True)
+        require_number("momentum", momentum, 0, 1)
         if optimizer not in ("sgd", "adam"):
             raise ValueError(f"`optimizer` must be 'sgd' or 'adam', got {optimizer!r}")
-        _check_number("weight_decay", weight_decay, 0.0)
+        require_number("weight_decay", weight_decay, 0.0)
         if seed is not None:
-            _check_int("seed", seed, 0)
+            require_int("seed", seed, 0)
         self.save_hyperparameters()
         if seed is None:
             self.network = _mlp(num_features, num_classes, hidden, depth)

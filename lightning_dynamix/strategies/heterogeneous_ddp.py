@@ -46,6 +46,7 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
+from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
@@ -124,14 +125,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                     " weighted all-reduce hook; wrap it with `ddp_comm_wrapper` (e.g. fp16 compression)"
                     f" instead, or use Lightning's DDPStrategy. Got {name}={ddp_kwargs[name]!r}."
                 )
-        if isinstance(min_batch_size, bool) or not isinstance(min_batch_size, int) or min_batch_size < 1:
-            raise ValueError(f"`min_batch_size` must be an int >= 1, got {min_batch_size!r}")
-        if max_batch_size is not None and (
-            isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < min_batch_size
-        ):
-            raise ValueError(
-                f"`max_batch_size` must be None or an int >= min_batch_size ({min_batch_size}), got {max_batch_size!r}"
-            )
+        require_int("min_batch_size", min_batch_size, 1)
+        require_optional_int("max_batch_size", max_batch_size, min_batch_size, "min_batch_size")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}")
         self.min_batch_size = min_batch_size
@@ -478,8 +473,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     def _report_gradient_norms(self, sink: GradientNormSink, weighting: SyncWindowWeighting) -> None:
         norms = self._hook_state.norms
-        if norms is None or not norms.local or len(norms.local) != len(norms.reduced):
+        if norms is None or not norms.local:
             return
+        # DDP waited for every bucket's all-reduce (and so its completion callback) before backward returned
         local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
         norms.clear()
         own, total = weighting.window_own_samples, weighting.window_samples

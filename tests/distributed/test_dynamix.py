@@ -59,6 +59,8 @@ def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_pa
     assert before["sizes"] != [64, 64]  # the first run did rebalance before its checkpoint
     assert after["sizes"] == before["sizes"]
     assert after["controller"] == before["controller"]
-    assert after["lr_scale"] == before["lr_scale"]
-    assert after["lr"] == pytest.approx(before["lr"])
+    assert sum(before["sizes"]) == 96
+    # the learning rate followed the global batch once, and the resumed run does not scale it again
+    assert before["lr_scale"] == after["lr_scale"] == pytest.approx(0.75)
+    assert before["lr"] == after["lr"] == pytest.approx(0.05 * 0.75)
     assert result["history"][0]["step"] == 35  # decisions continue on the same step grid

@@ -81,7 +81,9 @@ if mode == "balance":
     if trainer.is_global_zero:
         (out / "balance.json").write_text(json.dumps({"history": history(dynamix), "log_dir": trainer.logger.log_dir}))
 elif mode == "resume":
-    first = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear")
+    # a fixed global batch of 96 (it starts at 128): the linear rule scales the learning rate by 0.75
+    pid = {"global_batch_size": 96}
+    first = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear", controller_kwargs=pid)
     checkpoint = ModelCheckpoint(dirpath=out, filename="step30", every_n_train_steps=30, save_top_k=-1)
     trainer = fit(30, [HeterogeneityEmulator([1.0, 3.0]), first, checkpoint], enable_checkpointing=True)
     before = {
@@ -90,7 +92,7 @@ elif mode == "resume":
         "lr_scale": first.lr_scale,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
     }
-    second = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear")
+    second = DynamixCallback("pid", interval=5, warmup_steps=5, lr_scaling="linear", controller_kwargs=pid)
     recorder = StartRecorder(second)
     trainer = fit(
         40,
