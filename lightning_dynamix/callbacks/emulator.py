@@ -3,9 +3,12 @@
 :class:`HeterogeneityEmulator` makes rank ``r``'s step take ``factor_r`` times its own compute
 time by sleeping inside the step, just before backward, so the delay counts as that rank's
 compute (it delays its gradient buckets and the other ranks wait for it in the all-reduce, as
-they would for a slower machine). The rank's own compute time per sample is measured on every
-step (without the sleep); the median of the last few steps sets the next sleep, so the emulated
-slowdown follows batch-size changes and a single slow step (start-up, a hiccup) does not spread.
+they would for a slower machine). The sleep is ``(factor - 1)`` times the rank's own compute
+for the batch at hand: the forward pass of this very step is timed, and scaled by the ratio of a
+whole step's compute (forward and backward, without the sleep) to its forward pass, the median over
+the last few steps; once a few steps of the same batch size have run, the median of their forward
+passes stands in for this step's. So the emulated slowdown follows a batch-size change from its
+first step, and a single slow step (start-up, a hiccup) is not multiplied.
 Speeds can change at scheduled optimizer steps to emulate a slowdown or a recovery mid-run.
 """
 
@@ -27,7 +30,7 @@ from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
-_RECENT_STEPS = 5  # own per-sample compute times the next sleep is based on (their median)
+_RECENT_STEPS = 5  # compute-to-forward ratios the next sleep is based on (their median)
 
 
 def _slowdown(name: str, value: object) -> float:
@@ -71,7 +74,10 @@ class HeterogeneityEmulator(Callback):
         self.schedule = sorted(entries, key=lambda e: e[0])
         self._clock: StepClock | None = None
         self._rank = 0
-        self._per_sample: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._ratios: deque[float] = deque(maxlen=_RECENT_STEPS)
+        self._forwards: deque[tuple[int, float]] = deque(maxlen=_RECENT_STEPS)  # (batch size, forward seconds)
+        self._forward_start = 0.0
+        self._forward = 0.0
         self._slept = 0.0
         self._backward_seen = False  # the last step ran backward, so its compute time is a measurement
         self._strategy: HeterogeneousDDPStrategy | None = None
@@ -104,21 +110,26 @@ class HeterogeneityEmulator(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self._clock is not None
         last = self._clock.last_step
-        if last is not None and self._backward_seen and last.batch_size > 0:
-            self._per_sample.append(max(0.0, last.compute_time - self._slept) / last.batch_size)
-        self._slept, self._backward_seen = 0.0, False
+        if last is not None and self._backward_seen and self._forward > 0:
+            self._ratios.append(max(0.0, last.compute_time - self._slept) / self._forward)
+        self._slept, self._forward, self._backward_seen = 0.0, 0.0, False
+        self._forward_start = time.perf_counter()
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         assert self._strategy is not None
+        self._forward = time.perf_counter() - self._forward_start
         sizes = self._strategy.current_batch_sizes
+        batch_size = sizes[self._rank] if sizes else 0
+        self._forwards.append((batch_size, self._forward))
         factor = self.factor_at(self._rank, trainer.global_step)
         self._backward_seen = True
-        if sizes is None or not self._per_sample or factor <= 1.0:
+        if not self._ratios or factor <= 1.0:
             return
-        seconds = (factor - 1.0) * statistics.median(self._per_sample) * sizes[self._rank]
-        time.sleep(seconds)
-        self._slept += seconds
+        forward = statistics.median(f for b, f in self._forwards if b == batch_size)
+        start = time.perf_counter()
+        time.sleep((factor - 1.0) * statistics.median(self._ratios) * forward)
+        self._slept += time.perf_counter() - start  # what was slept, oversleeping included
 
     @override
     def on_train_batch_end(

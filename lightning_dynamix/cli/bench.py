@@ -111,6 +111,7 @@ def bootstrap_median_interval(
 
 def run_overhead(args: argparse.Namespace) -> None:
     """Plain Lightning DDP against HeterogeneousDDPStrategy with equal sizes, alternating ABBA."""
+    torch.set_num_threads(1)  # one thread per process: two processes competing for each core blur the difference
     ratios, plain_steps, ours_steps = [], [], []
     for round_index in range(args.rounds):
         order = ("ddp", "ours") if round_index % 2 == 0 else ("ours", "ddp")

@@ -22,18 +22,23 @@ def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
     return tuple(entries)
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
     parser.add_argument("--speeds", type=floats, default=(1.0, 3.0), help="slowdown per rank (default 1,3)")
-    parser.add_argument("--batch-size", type=int, default=256, help="initial batch size of every rank (default 256)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help=f"initial batch size of every rank (default {batch_size})",
+    )
     parser.add_argument("--interval", type=int, default=5, help="optimizer steps per decision (default 5)")
-    parser.add_argument("--hidden", type=int, default=256, help="width of the classifier's layers (default 256)")
+    parser.add_argument("--hidden", type=int, default=768, help="width of the classifier's layers (default 768)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
 
 
 def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
-    _common(parser)
+    _common(parser, batch_size=256)
     parser.add_argument("--controller", default="pid", help="static, pid or goodput (default pid)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument(
@@ -128,14 +133,17 @@ def run_balance(args: argparse.Namespace) -> None:
 
 
 def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
-    _common(parser)
+    _common(parser, batch_size=128)
     parser.add_argument("--controllers", default="static,pid,goodput", help="comma-separated (default all three)")
     parser.add_argument("--seeds", type=int, default=3, help="runs per controller, seeds 0..N-1 (default 3)")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs per run (default 3)")
+    parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default 10)")
     parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
-    parser.add_argument("--lr", type=float, default=0.05, help="learning rate at the initial global batch")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate at the initial global batch (default 0.1)")
     parser.add_argument(
-        "--lr-scaling", default="none", help="rule when the global batch changes: none, linear, sqrt, adascale"
+        "--lr-scaling",
+        default="adascale",
+        help="rule when the global batch changes: none, linear, sqrt, adascale (default adascale; static and pid"
+        " keep the global batch, so it only acts on goodput)",
     )
 
 

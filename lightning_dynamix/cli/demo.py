@@ -16,8 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--speeds", type=floats, default=(1.0, 3.0), help="slowdown per rank; one process each (default 1,3)"
     )
     parser.add_argument("--controller", default="pid", help="controller against static: pid or goodput (default pid)")
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs of each run (default 3)")
+    parser.add_argument("--epochs", type=int, default=10, help="training epochs of each run (default 10)")
     parser.add_argument("--batch-size", type=int, default=128, help="initial batch size of every rank (default 128)")
+    parser.add_argument(
+        "--lr", type=float, default=0.1, help="SGD learning rate at the initial global batch (default 0.1)"
+    )
     parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
     parser.add_argument("--seed", type=int, default=0, help="seed of data, weights and order (default 0)")
     parser.add_argument(
@@ -41,6 +44,7 @@ def run_demo(args: argparse.Namespace) -> None:
             speeds=args.speeds,
             batch_size=args.batch_size,
             epochs=args.epochs,
+            lr=args.lr,
             target_accuracy=args.target_accuracy,
             seed=args.seed,
         )

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
@@ -63,7 +64,7 @@ class RunConfig:
     seed: int = 0
     schedule: tuple[tuple[int, int, float], ...] = ()
     max_batch_size: int = 1024
-    hidden: int = 256
+    hidden: int = 768
     num_samples: int = 16384
 
 
@@ -106,6 +107,7 @@ class TrainingClock(Callback):
         self._start = 0.0
         self._validation_seconds = 0.0
         self._validation_start: float | None = None
+        self._validations: list[tuple[float, float]] = []  # (seconds since start at its end, validation so far)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -123,6 +125,7 @@ class TrainingClock(Callback):
         now = time.perf_counter()
         self._validation_seconds += now - self._validation_start
         self._validation_start = None
+        self._validations.append((now - self._start, self._validation_seconds))
         accuracy = float(trainer.callback_metrics["val_acc"])
         self.points.append({"seconds": self.elapsed(now), "step": trainer.global_step, "accuracy": accuracy})
 
@@ -133,6 +136,14 @@ class TrainingClock(Callback):
         sizes = getattr(trainer.strategy, "current_batch_sizes", None)
         if sizes:
             self.samples += sum(sizes)
+
+    def training_seconds(self, since_start: float) -> float:
+        """Training seconds at ``since_start`` wall seconds after training started (validations before it excluded)."""
+        validation = 0.0
+        for end, total in self._validations:
+            if end <= since_start:
+                validation = total
+        return since_start - validation
 
     def elapsed(self, now: float | None = None) -> float:
         """Training seconds so far (validation excluded)."""
@@ -146,6 +157,9 @@ class TrainingClock(Callback):
 def run(config: RunConfig) -> RunResult | None:
     """Train once; returns the result on global rank 0 and ``None`` on the other ranks."""
     world = len(config.speeds)
+    # one thread per process: the ranks share the machine's cores, and the emulator's factors are
+    # relative to a rank's own speed, which threads competing for a core would blur
+    torch.set_num_threads(1)
     dynamix = DynamixCallback(
         config.controller,
         interval=config.interval,
@@ -184,7 +198,7 @@ def run(config: RunConfig) -> RunResult | None:
         intervals.append(
             {
                 "step": record.step,
-                "seconds": record.time,
+                "seconds": clock.training_seconds(record.time),
                 "batch_sizes": list(state.batch_sizes),
                 "next_batch_sizes": list(record.decision.batch_sizes) if record.decision else None,
                 "step_time": [w.step_time for w in state.workers],

@@ -13,7 +13,9 @@ The control law, per decision interval:
   stays the same its speed is smoothed with an exponential moving average
   ``s~_i <- smoothing * s~_i + (1 - smoothing) * s_i``; when its size changed, the average restarts
   from the new measurement (with affine times a speed measured at another size is another operating
-  point, and averaging across them would only add lag).
+  point, and averaging across them would only add lag), and so it does when the new measurement
+  differs from the average by more than ``restart_threshold`` (relative): a rank that suddenly
+  became much slower or faster is followed at once rather than averaged with what it no longer is.
 * error of rank ``i``, in shares of the global batch: ``e_i = p_i - q_i``, with target share
   ``p_i = s~_i / sum_j s~_j`` and current share ``q_i = b_i / sum_j b_j``; ``sum_i e_i = 0``.
 * new share ``q_i' = q_i + kp * g_i * e_i + ki * I_i + kd * (e_i - e_i_prev)``, with ``I_i`` the sum
@@ -132,6 +134,9 @@ class PIDController:
         kd: derivative gain on the change of the error between intervals, >= 0. Off by default.
         smoothing: weight of the past in the exponential moving average of each rank's speed,
             in ``[0, 1)``; 0 uses the last interval's speeds alone.
+        restart_threshold: a rank's newly measured speed that differs from its average by more than
+            this fraction of the average replaces the average instead of joining it (a sudden
+            slowdown or recovery); > 0, or ``None`` to always average.
         dead_band: keep the current sizes exactly when every rank's relative change
             ``|b' - b| / b`` would be below this, in ``[0, 1)``. Absorbs measurement noise, so
             sizes stop changing once balanced.
@@ -162,6 +167,7 @@ class PIDController:
         ki: float = 0.0,
         kd: float = 0.0,
         smoothing: float = 0.5,
+        restart_threshold: float | None = 0.5,
         dead_band: float = 0.1,
         min_batch_size: int | Sequence[int] = 1,
         max_batch_size: int | Sequence[int] | None = None,
@@ -174,6 +180,11 @@ class PIDController:
         self.ki = require_number("ki", ki, 0.0, math.inf, low_open=False, high_open=True)
         self.kd = require_number("kd", kd, 0.0, math.inf, low_open=False, high_open=True)
         self.smoothing = require_number("smoothing", smoothing, 0.0, 1.0, low_open=False, high_open=True)
+        if restart_threshold is not None:
+            restart_threshold = require_number(
+                "restart_threshold", restart_threshold, 0.0, math.inf, low_open=True, high_open=True
+            )
+        self.restart_threshold = restart_threshold
         self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
@@ -219,10 +230,11 @@ class PIDController:
             self._previous_error = None
         else:
             # a speed measured at another size is another operating point (times may be affine in the
-            # batch): average only over intervals at the current size, so smoothing never adds lag
+            # batch), and one far from the average is a rank that changed: average only over intervals
+            # at the current size and a similar speed, so smoothing never adds lag
             a = self.smoothing
             self._speeds = [
-                a * old + (1.0 - a) * new if b == b_old else new
+                a * old + (1.0 - a) * new if b == b_old and not self._jumped(old, new) else new
                 for old, new, b, b_old in zip(self._speeds, measured, current, self._speed_sizes)
             ]
         self._speed_sizes = list(current)
@@ -279,6 +291,10 @@ class PIDController:
                 self._integral[i] = max(-_INTEGRAL_LIMIT, min(_INTEGRAL_LIMIT, integral[i]))
         return self._decision(proposal, state)
 
+    def _jumped(self, average: float, measured: float) -> bool:
+        """Whether a new speed is so far from the average that the rank itself changed."""
+        return self.restart_threshold is not None and abs(measured - average) > self.restart_threshold * average
+
     def _secant_gains(self, error: Sequence[float], sizes: Sequence[int]) -> list[float]:
         """Per-rank gain ``1 / m`` from the error's response ``m`` to the change decided one interval ago."""
         gains = [1.0] * len(error)
@@ -329,7 +345,8 @@ class PIDController:
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(kp={self.kp}, ki={self.ki}, kd={self.kd}, smoothing={self.smoothing},"
-            f" dead_band={self.dead_band}, min_batch_size={_as_bound(self.min_batch_size)!r},"
+            f" restart_threshold={self.restart_threshold}, dead_band={self.dead_band},"
+            f" min_batch_size={_as_bound(self.min_batch_size)!r},"
             f" max_batch_size={_as_bound(self.max_batch_size)!r}, global_batch_size={self.global_batch_size},"
             f" max_change={self.max_change}, lr_scaling={self.lr_scaling!r}, adaptive_gain={self.adaptive_gain})"
         )

@@ -37,9 +37,13 @@ class _StepCountingIterator(Iterator[Any]):
             clock.data_start()
         batch = next(self._iterator)
         loader = self._loader
-        loader._record_step(loader.batch_sampler._consume())
+        sampler = loader.batch_sampler
+        step = sampler._consume()
+        loader._record_step(step)
         if clock is not None:
-            clock.data_end(loader._current_sizes[loader.batch_sampler.rank])
+            # an epoch's final step may be shorter or longer than the sizes in force: timed, but not typical
+            regular = loader._current_sizes == sampler.nominal_batch_sizes_at(step)
+            clock.data_end(loader._current_sizes[sampler.rank], regular=regular)
         return batch
 
     def __len__(self) -> int:

@@ -234,6 +234,10 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """Every rank's real batch size at ``step`` of the current epoch (the final step included)."""
         return self.schedule.batch_sizes_at(step)
 
+    def nominal_batch_sizes_at(self, step: int) -> BatchSizes:
+        """The sizes in force at ``step`` of the current epoch, before the final step's adjustment."""
+        return self.schedule.nominal_batch_sizes_at(step)
+
     def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int:
         """Use ``batch_sizes`` from ``from_step`` of the current epoch on.
 

@@ -189,6 +189,10 @@ class EpochSchedule:
         """Every rank's real batch size at ``step``, the epoch's final step included."""
         return self.step_at(step)[1]
 
+    def nominal_batch_sizes_at(self, step: int) -> BatchSizes:
+        """The sizes in force at ``step``: what :meth:`change` set, even where the final step adjusts them."""
+        return self._locate(step)[0].batch_sizes
+
     def step_at(self, step: int) -> tuple[int, BatchSizes]:
         """``(cursor, batch_sizes)`` of ``step``: where it begins and every rank's size."""
         seg, cursor = self._locate(step)

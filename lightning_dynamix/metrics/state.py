@@ -68,10 +68,9 @@ class WorkerMetrics:
 
     @property
     def own_samples_per_s(self) -> float:
-        """The rank's own speed: samples per second if it never waited for the all-reduce.
+        """The rank's speed without any all-reduce: samples per second of data loading, compute and optimizer step.
 
-        This is the ``s_r`` of the ideal throughput ``sum_r s_r`` (data loading, compute and the
-        optimizer step all count; waiting for slower ranks and the transfer itself do not).
+        The ideal throughput adds the transfer that every rank pays (:attr:`ClusterState.rank_speeds`).
         """
         own = self.own_step_time
         return self.batch_size / own if own > 0 else NAN
@@ -170,9 +169,35 @@ class ClusterState:
         return self.global_batch / step if step > 0 else NAN
 
     @property
+    def transfer_time(self) -> float:
+        """The all-reduce time no batch split can remove, seconds per step: the least ``sync_wait`` of any rank.
+
+        The rank that is ready last waits only for the transfer itself; every other rank also waits
+        for it. Averaged over an interval, a rank that is last only most of the time also waits for
+        the others' random jitter now and then, so with ranks of equal speed this slightly
+        overestimates the transfer. 0 when no rank measured its wait.
+        """
+        waits = [w.sync_wait for w in self.workers if math.isfinite(w.sync_wait)]
+        return max(0.0, min(waits)) if waits else 0.0
+
+    @property
+    def rank_speeds(self) -> tuple[float, ...]:
+        """``s_r`` per rank: samples per second the rank would reach if it never waited for another rank.
+
+        ``b_r / (step_time_r - sync_wait_r + transfer_time)``: the rank's own data loading,
+        compute and optimizer step, plus the transfer every rank pays (:attr:`transfer_time`).
+        Equal batches at equal speeds therefore run at their ideal, and a job whose ranks all finish
+        their own work together reaches ``sum_r s_r``. NaN for a rank whose own time is not positive.
+        """
+        transfer = self.transfer_time
+        return tuple(
+            w.batch_size / (w.own_step_time + transfer) if w.own_step_time + transfer > 0 else NAN for w in self.workers
+        )
+
+    @property
     def ideal_throughput(self) -> float:
-        """``sum_r s_r``: what the ranks would achieve if none ever waited for another."""
-        return sum(w.own_samples_per_s for w in self.workers)
+        """``sum_r s_r`` (:attr:`rank_speeds`): what the job would achieve if no rank ever waited for another."""
+        return sum(self.rank_speeds)
 
     @property
     def bandwidth(self) -> float:

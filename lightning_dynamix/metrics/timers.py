@@ -17,7 +17,8 @@ step, in seconds:
 
 Steps are summed into an interval (:meth:`StepClock.summary`) at the rank's current batch size:
 a step trained at another size (one prefetched before a resize) starts the interval afresh, so
-times and sizes always belong together. Recording costs a few ``perf_counter`` calls per step and
+times and sizes always belong together; an epoch's final step, whose sizes the dataset's remainder
+decides, is left out of the interval altogether. Recording costs a few ``perf_counter`` calls per step and
 bucket and needs no collective.
 """
 
@@ -44,6 +45,7 @@ class StepRecord:
     comm_time: float
     comm_bytes: int
     synchronised: bool
+    regular: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,10 +99,16 @@ class StepClock:
         self._reset_step()
         self._data_start = self._timer()
 
-    def data_end(self, batch_size: int) -> None:
-        """The DataLoader handed over a batch of ``batch_size`` samples for this rank."""
+    def data_end(self, batch_size: int, regular: bool = True) -> None:
+        """The DataLoader handed over a batch of ``batch_size`` samples for this rank.
+
+        ``regular=False`` marks a step whose sizes are not the ones in force (an epoch's final step,
+        which takes what is left): it is timed (:attr:`last_step`) but left out of the interval, so a
+        short tail neither restarts the interval nor stands for the sizes the controller set.
+        """
         self._data_end = self._timer()
         self._batch_size = batch_size
+        self._regular = regular
 
     def bucket_ready(self, num_bytes: int) -> float:
         """A gradient bucket of ``num_bytes`` is ready and its all-reduce starts; returns the time."""
@@ -143,9 +151,11 @@ class StepClock:
             comm_time=_union_length(spans),
             comm_bytes=self._comm_bytes,
             synchronised=synchronised,
+            regular=self._regular,
         )
         self.last_step = record
-        self._add(record)
+        if record.regular:
+            self._add(record)
         return record
 
     # ------------------------------------------------------------------ intervals
@@ -177,6 +187,7 @@ class StepClock:
         self._data_start: float | None = None
         self._data_end: float | None = None
         self._batch_size = 0
+        self._regular = True
         self._last_bucket_ready: float | None = None
         self._backward_end: float | None = None
         self._comm_bytes = 0

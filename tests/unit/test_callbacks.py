@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pytest
 from lightning.pytorch import Trainer
@@ -98,6 +99,31 @@ def test_callback_bounds_outside_the_strategy_bounds_fail_at_set_up():
 def test_emulator_needs_one_factor_per_rank():
     with pytest.raises(MisconfigurationException, match="has 2 factors but the job has 1 ranks"):
         trainer([HeterogeneityEmulator([1.0, 3.0])]).fit(model())
+
+
+class SleepyForward(DemoClassifier):
+    """A model whose forward pass takes 2 ms per sample: its own compute grows with the batch."""
+
+    def forward(self, x):
+        time.sleep(2e-3 * x.shape[0])
+        return super().forward(x)
+
+
+def test_emulator_makes_a_rank_factor_times_slower_and_follows_a_resize_from_its_first_step():
+    # 16 samples for 8 steps, then 48: the second measured interval (steps 9-11) starts with the resize,
+    # so it shows whether the sleep followed the new batch at once
+    compute = {}
+    for factor in (1.0, 3.0):
+        dynamix = DynamixCallback(Scripted([Decision((48,)), Decision((48,))]), interval=3, warmup_steps=5)
+        module = SleepyForward(num_samples=512, num_features=8, hidden=16, batch_size=16, sync_dist=False)
+        trainer([HeterogeneityEmulator([factor]), dynamix], max_steps=11).fit(module)
+        assert [r.state.batch_sizes for r in dynamix.history] == [(16,), (48,)]
+        compute[factor] = [r.state.workers[0].compute_time for r in dynamix.history]
+    ratios = [slow / own for slow, own in zip(compute[3.0], compute[1.0])]
+    # a sleep that used the old batch's compute would give about 1.8 on the second interval; the upper bound is
+    # loose because waking from a long sleep slows the backward that follows on some machines (the emulator
+    # measures that as the rank's own compute and multiplies it too)
+    assert all(2.5 < r < 5.0 for r in ratios), ratios
 
 
 def test_dynamix_callback_runs_on_a_single_device_and_measures_every_interval():

@@ -146,6 +146,26 @@ def test_pid_follows_a_change_of_speed_without_overshooting():
     assert history[-1] == (96, 32)
 
 
+def test_pid_follows_a_sudden_slowdown_at_once_but_averages_ordinary_noise():
+    controller = PIDController()
+    history = simulate(controller, [64, 64], [1e-3, 1e-3], intervals=5)
+    assert history[-1] == (64, 64)
+    # rank 1 becomes 3x slower: its speed falls by 2/3, far beyond the 50% restart threshold, so the very
+    # next decision lands on the new balance instead of averaging the old speed in
+    history = simulate(controller, history[-1], [1e-3, 3e-3], intervals=1, noise=0.0)
+    assert history[-1] == (96, 32)
+    # always averaging (the plain moving average) goes only part of the way in that decision
+    averaging = PIDController(restart_threshold=None)
+    simulate(averaging, [64, 64], [1e-3, 1e-3], intervals=5)
+    assert simulate(averaging, [64, 64], [1e-3, 3e-3], intervals=1, noise=0.0)[-1][1] > 40
+    # one interval 40% slower is averaged with the past (a 29% drop in speed, under the threshold); taken alone
+    # it would move the sizes by 17%, beyond the 10% dead band
+    steady = PIDController()
+    simulate(steady, [64, 64], [1e-3, 1e-3], intervals=5, noise=0.0)
+    assert steady.decide(make_state([64, 64], [0.064, 0.064 * 1.4])).batch_sizes == (64, 64)
+    assert PIDController(smoothing=0.0).decide(make_state([64, 64], [0.064, 0.064 * 1.4])).batch_sizes != (64, 64)
+
+
 def test_pid_at_gain_one_moves_straight_to_sizes_proportional_to_measured_speed():
     controller = PIDController(dead_band=0.0)
     decision = controller.decide(make_state([50, 50], [0.2, 0.05]))
@@ -359,6 +379,7 @@ def test_adascale_limits_and_unknown_noise_scale():
         (lambda: PIDController(kd=math.nan), "kd"),
         (lambda: PIDController(smoothing=1.0), "smoothing"),
         (lambda: PIDController(dead_band=1.0), "dead_band"),
+        (lambda: PIDController(restart_threshold=0.0), "restart_threshold"),
         (lambda: PIDController(dead_band=-0.1), "dead_band"),
         (lambda: PIDController(min_batch_size=0), "min_batch_size"),
         (lambda: PIDController(max_batch_size=[8, 0]), "max_batch_size"),

@@ -30,10 +30,12 @@ class ManualTime:
         self.now += seconds
 
 
-def run_step(clock: StepClock, t: ManualTime, batch: int, data=0.01, compute=0.05, wait=0.02, tail=0.005, buckets=2):
+def run_step(
+    clock: StepClock, t: ManualTime, batch: int, data=0.01, compute=0.05, wait=0.02, tail=0.005, buckets=2, regular=True
+):
     clock.data_start()
     t.advance(data)
-    clock.data_end(batch)
+    clock.data_end(batch, regular=regular)
     per_bucket = compute / buckets
     for _ in range(buckets):
         t.advance(per_bucket)
@@ -95,6 +97,20 @@ def test_interval_summary_means_and_a_size_change_starts_the_interval_afresh():
     assert math.isnan(clock.summary().step_time)
 
 
+def test_an_epochs_short_final_step_is_timed_but_left_out_of_the_interval():
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    for _ in range(3):
+        run_step(clock, t, batch=32, compute=0.05)
+    tail = run_step(clock, t, batch=3, compute=0.01, regular=False)  # the 3 samples left at the epoch's end
+    assert tail.batch_size == 3
+    assert clock.last_step is tail
+    run_step(clock, t, batch=32, compute=0.05)  # the next epoch, same sizes
+    summary = clock.summary()
+    assert (summary.batch_size, summary.steps) == (32, 4)  # neither reset nor diluted by the tail
+    assert summary.compute_time == pytest.approx(0.05)
+
+
 def test_overlapping_all_reduces_count_once_in_comm_time():
     t = ManualTime()
     clock = StepClock(timer=t)
@@ -140,6 +156,21 @@ def test_cluster_state_throughput_against_the_ideal_sum_of_rank_speeds():
     assert state.throughput == pytest.approx(64 / 0.3)
     assert state.ideal_throughput == pytest.approx(32 / 0.1 + 32 / 0.3)
     assert state.throughput / state.ideal_throughput == pytest.approx(0.5)
+
+
+def test_the_transfer_every_rank_pays_counts_in_the_ideal_but_waiting_for_a_straggler_does_not():
+    # both ranks compute 0.1 s and then spend 0.02 s in the all-reduce: equal speeds run at their ideal
+    even = ClusterState((worker(0, 32, 0.1, step=0.12), worker(1, 32, 0.1, step=0.12)))
+    assert even.transfer_time == pytest.approx(0.02)
+    assert even.throughput / even.ideal_throughput == pytest.approx(1.0)
+    # rank 1 is 3x slower: rank 0 waits 0.2 s for it plus the 0.02 s transfer; static batches give N * min s_r
+    slow = ClusterState((worker(0, 32, 0.1, step=0.32), worker(1, 32, 0.3, step=0.32)))
+    assert slow.transfer_time == pytest.approx(0.02)
+    assert slow.rank_speeds == pytest.approx((32 / 0.12, 32 / 0.32))
+    assert slow.throughput == pytest.approx(2 * min(slow.rank_speeds))
+    # a rank that measured no wait (NaN) does not decide the transfer
+    unknown = ClusterState((worker(0, 32, 0.1, step=0.32), WorkerMetrics(rank=1, batch_size=32)))
+    assert unknown.transfer_time == pytest.approx(0.22)
 
 
 def test_observation_is_finite_scale_free_and_has_the_documented_shape():

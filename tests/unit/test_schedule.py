@@ -77,6 +77,10 @@ def test_schedule_matches_the_documented_rule_under_random_changes(sizes, data, 
     expected, sizes_at_end = reference_steps(num_samples, tuple(sizes), changes, drop_last)
     assert len(schedule) == len(expected)
     assert [schedule.step_at(k) for k in range(len(schedule))] == expected
+    in_force = tuple(sizes)
+    for k in range(len(schedule)):  # the final step adjusts its sizes, the nominal ones are those set
+        in_force = changes.get(k, in_force)
+        assert schedule.nominal_batch_sizes_at(k) == in_force
     used = sum(sum(s) for _, s in expected)
     if drop_last:  # only the incomplete last global batch is skipped
         assert num_samples - used < sum(sizes_at_end)
