@@ -10,6 +10,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -19,6 +20,7 @@ from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.cli.workloads import DemoClassifier
 
 mode, out = sys.argv[1], Path(sys.argv[2])
+torch.set_num_threads(1)  # two processes on the machine's cores: the emulated factor is relative to one thread
 GNS = len(sys.argv) < 4
 
 
@@ -53,11 +55,11 @@ class StartRecorder(Callback):
         }
 
 
-def fit(max_steps, callbacks, ckpt_path=None, logger=False, **trainer_kwargs):
+def fit(max_steps, callbacks, ckpt_path=None, logger=False, sizes=(64, 64), **trainer_kwargs):
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=HeterogeneousDDPStrategy(batch_sizes=[64, 64], min_batch_size=4, timeout=timedelta(seconds=60)),
+        strategy=HeterogeneousDDPStrategy(batch_sizes=list(sizes), min_batch_size=4, timeout=timedelta(seconds=60)),
         max_steps=max_steps,
         callbacks=callbacks,
         logger=logger,
@@ -77,6 +79,7 @@ if mode == "balance":
         [HeterogeneityEmulator([1.0, 3.0]), dynamix],
         logger=CSVLogger(out, name="balance"),
         enable_checkpointing=False,
+        sizes=(128, 128),  # large enough that a split exists on which both ranks take equally long
     )
     if trainer.is_global_zero:
         (out / "balance.json").write_text(json.dumps({"history": history(dynamix), "log_dir": trainer.logger.log_dir}))
