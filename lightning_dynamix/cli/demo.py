@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,10 @@ def _row(name: str, values: list[Any]) -> str:
 
 def run_demo(args: argparse.Namespace) -> None:
     results: dict[str, RunResult] = {}
+    logs = args.output_dir / "logs"
     for controller in ("static", args.controller):
+        if is_launcher_rank_zero():  # a previous demo's logs would be appended to
+            shutil.rmtree(logs / controller, ignore_errors=True)
         config = RunConfig(
             controller=controller,
             speeds=args.speeds,
@@ -47,6 +51,7 @@ def run_demo(args: argparse.Namespace) -> None:
             lr=args.lr,
             target_accuracy=args.target_accuracy,
             seed=args.seed,
+            log_dir=str(logs),
         )
         result = run(config)
         if result is not None:
@@ -73,6 +78,7 @@ def run_demo(args: argparse.Namespace) -> None:
     print(_row("final accuracy", [f"{results[n].final_accuracy:.3f}" for n in names]))
     print(_row("final batch sizes", [",".join(map(str, _final_sizes(results[n]))) for n in names]))
     print(f"plot: {plot}\nresults: {args.output_dir / 'demo.json'}")
+    print(f"logs: {logs} (dynamix report {logs} plots what each controller did)")
 
 
 def _final_sizes(result: RunResult) -> list[int]:

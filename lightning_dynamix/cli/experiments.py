@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
@@ -48,6 +49,8 @@ class RunConfig:
         max_batch_size: the largest batch size a rank may be given.
         hidden: width of the classifier's hidden layers.
         num_samples: training samples per epoch.
+        log_dir: write the callback's ``dynamix/...`` metrics with a ``CSVLogger`` to
+            ``log_dir/<controller>/metrics.csv`` (what ``dynamix report`` reads); ``None``: no logs.
     """
 
     controller: str = "pid"
@@ -66,6 +69,7 @@ class RunConfig:
     max_batch_size: int = 1024
     hidden: int = 768
     num_samples: int = 16384
+    log_dir: str | None = None
 
 
 @dataclass
@@ -182,7 +186,7 @@ def run(config: RunConfig) -> RunResult | None:
         val_check_interval=1.0 / config.val_checks_per_epoch,
         num_sanity_val_steps=0,
         callbacks=[HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule)), dynamix, clock],
-        logger=False,
+        logger=False if config.log_dir is None else CSVLogger(config.log_dir, name=config.controller, version=""),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

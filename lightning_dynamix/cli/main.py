@@ -6,7 +6,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, demo
+from lightning_dynamix.cli import bench, bench_heterogeneity, demo, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.run_demo)
+
+    report_parser = commands.add_parser(
+        "report", help="plots and a summary of what the controller did, from a run's CSV or TensorBoard logs"
+    )
+    report.add_arguments(report_parser)
+    report_parser.set_defaults(func=report.run_report)
 
     bench_parser = commands.add_parser("bench", help="measured benchmarks")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)

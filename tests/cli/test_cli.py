@@ -42,6 +42,15 @@ def test_demo_compares_static_batches_with_the_callback_and_writes_a_plot(tmp_pa
     out = tmp_path / "dynamix_runs" / "demo"
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(json.loads((out / "demo.json").read_text())) == {"static", "pid"}
+    # the demo's logs are what `dynamix report` reads
+    report = json.loads(dynamix("report", str(out / "logs"), "--json", cwd=tmp_path))
+    assert [r["source"] for r in report] == [str(out / "logs" / c / "metrics.csv") for c in ("pid", "static")]
+    runs = json.loads((out / "demo.json").read_text())
+    assert report[0]["last_batch_sizes"] == runs["pid"]["intervals"][-1]["batch_sizes"]
+    assert report[0]["intervals"] == len(runs["pid"]["intervals"])
+    assert report[1]["last_batch_sizes"] == [64, 64]
+    for controller in ("pid", "static"):
+        assert (out / "logs" / controller / "dynamix_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_path):
