@@ -71,6 +71,26 @@ class HeterogeneousDataLoader(DataLoader):
         self._current_sizes: BatchSizes = ()
         self.step_clock: StepClock | None = None
 
+    @classmethod
+    def like(cls, dataloader: DataLoader, batch_sampler: HeterogeneousBatchSampler) -> HeterogeneousDataLoader:
+        """A loader over ``dataloader``'s dataset with all its settings (workers, collate, pinning) but its batches."""
+        kwargs: dict[str, Any] = {
+            "num_workers": dataloader.num_workers,
+            "collate_fn": dataloader.collate_fn,
+            "pin_memory": dataloader.pin_memory,
+            "timeout": dataloader.timeout,
+            "worker_init_fn": dataloader.worker_init_fn,
+            "multiprocessing_context": dataloader.multiprocessing_context,
+            "generator": dataloader.generator,
+            "persistent_workers": dataloader.persistent_workers,
+            "pin_memory_device": dataloader.pin_memory_device,
+        }
+        if dataloader.num_workers > 0:
+            kwargs["prefetch_factor"] = dataloader.prefetch_factor
+        if hasattr(dataloader, "in_order"):
+            kwargs["in_order"] = dataloader.in_order
+        return cls(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._current_step = -1
         return _StepCountingIterator(self, super().__iter__())

@@ -310,22 +310,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             self._loader_state_to_load = None
         if isinstance(dataloader, HeterogeneousDataLoader) and dataloader.batch_sampler is sampler:
             return dataloader
-        kwargs: dict[str, Any] = {
-            "num_workers": dataloader.num_workers,
-            "collate_fn": dataloader.collate_fn,
-            "pin_memory": dataloader.pin_memory,
-            "timeout": dataloader.timeout,
-            "worker_init_fn": dataloader.worker_init_fn,
-            "multiprocessing_context": dataloader.multiprocessing_context,
-            "generator": dataloader.generator,
-            "persistent_workers": dataloader.persistent_workers,
-            "pin_memory_device": dataloader.pin_memory_device,
-        }
-        if dataloader.num_workers > 0:
-            kwargs["prefetch_factor"] = dataloader.prefetch_factor
-        if hasattr(dataloader, "in_order"):
-            kwargs["in_order"] = dataloader.in_order
-        return HeterogeneousDataLoader(dataset, batch_sampler=sampler, **kwargs)
+        return HeterogeneousDataLoader.like(dataloader, sampler)
 
     def _new_sampler(self, dataloader: DataLoader) -> HeterogeneousBatchSampler:
         if type(dataloader) is not DataLoader:

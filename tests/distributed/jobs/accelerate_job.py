@@ -1,0 +1,64 @@
+"""DynamixAccelerate under `accelerate launch` or `torchrun`: uneven, changing sizes; every rank saves what it saw.
+
+Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py OUT_DIR [OPTIMIZER] [WORKERS]
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from common import IndexedDataset, make_network, make_optimizer
+from torch.utils.data import DataLoader
+
+from lightning_dynamix.integrations.accelerate import DynamixAccelerate
+
+out = Path(sys.argv[1])
+optimizer_name = sys.argv[2] if len(sys.argv) > 2 else "sgd"
+workers = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+NUM_SAMPLES = 150
+# (epoch, step within the epoch) after which every rank calls set_batch_sizes
+PLAN = {(0, 3): [6, 2], (0, 6): [1, 9], (1, 2): [5, 5], (1, 5): [2, 3]}
+
+accelerator = Accelerator(cpu=not torch.cuda.is_available())  # gloo processes on a machine without GPUs
+dynamix = DynamixAccelerate(accelerator, batch_sizes=[3, 7], seed=11)
+if optimizer_name == "errors":  # what bad input says, on every rank
+    messages = {}
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    for name, build in (
+        ("prepared", lambda: dynamix.prepare(accelerator.prepare(make_network(0)))),
+        ("iterable", lambda: dynamix.prepare(DataLoader(Stream(), batch_size=2))),
+        ("too-small", lambda: dynamix.prepare(DataLoader(IndexedDataset(5), batch_size=2))),
+    ):
+        try:
+            build()
+        except ValueError as error:
+            messages[name] = str(error)
+    torch.save(messages, out / f"errors{accelerator.process_index}.pt")
+    sys.exit(0)
+
+network = make_network(0)
+optimizer = make_optimizer(optimizer_name, network.parameters())
+loader = DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4, shuffle=True, num_workers=workers)
+model, optimizer, loader = dynamix.prepare(network, optimizer, loader)
+
+steps = []
+for epoch in range(2):
+    for step, (index, x, y) in enumerate(loader):
+        steps.append((epoch, step, index.tolist()))
+        loss = F.cross_entropy(model(x), y)
+        dynamix.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if (epoch, step) in PLAN:
+            dynamix.set_batch_sizes(PLAN[(epoch, step)])
+
+torch.save(
+    {"steps": steps, "params": {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}},
+    out / f"rank{accelerator.process_index}.pt",
+)

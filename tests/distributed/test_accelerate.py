@@ -1,0 +1,67 @@
+"""DynamixAccelerate in real 2-process jobs started by `accelerate launch` and by `torchrun` (gloo on CPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.conftest import JOBS
+
+pytestmark = pytest.mark.distributed
+
+NUM_SAMPLES = 150
+
+
+def launch(launcher: str, out: Path, *args: str) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(JOBS))
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)
+    bin_dir = Path(sys.executable).parent
+    if launcher == "accelerate":
+        command = [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
+        command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    else:
+        command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+    proc = subprocess.run(
+        [*command, str(JOBS / "accelerate_job.py"), str(out), *args],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"{launcher} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+@pytest.mark.parametrize(
+    ("launcher", "optimizer", "workers"),
+    [("accelerate", "sgd", "0"), ("accelerate", "adam", "2"), ("torchrun", "sgd", "0")],
+    ids=["accelerate-sgd", "accelerate-adam-workers", "torchrun-sgd"],
+)
+def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_helpers, launcher, optimizer, workers):
+    launch(launcher, tmp_path, optimizer, workers)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    steps = [r["steps"] for r in ranks]
+    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, optimizer, accumulate=1)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+    # the same number of steps on both ranks, the sizes changed as planned, every sample once per epoch
+    assert len(steps[0]) == len(steps[1])
+    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+    assert sizes[0] == (3, 7)
+    assert {(6, 2), (1, 9), (5, 5), (2, 3)} <= set(sizes)
+    for epoch in (0, 1):
+        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+
+
+def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
+    launch("accelerate", tmp_path, "errors")
+    for rank in range(2):
+        messages = torch.load(tmp_path / f"errors{rank}.pt")
+        assert "Pass the plain model: dynamix.prepare(model, ...)" in messages["prepared"]
+        assert "iterable-style (Stream)" in messages["iterable"]
+        assert "fewer than one global batch" in messages["too-small"]
