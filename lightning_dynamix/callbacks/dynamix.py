@@ -10,8 +10,6 @@ learning-rate scaling rule, a new learning rate for the new global batch.
 
 from __future__ import annotations
 
-import logging
-import math
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -20,16 +18,13 @@ from typing_extensions import override
 
 from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
-from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
+from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, make_controller
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
-from lightning_dynamix.distributed import broadcast_floats
+from lightning_dynamix.loop import DecisionMaker
 from lightning_dynamix.metrics import ClusterState
-
-log = logging.getLogger(__name__)
 
 # controllers that read the gradient noise scale: measured by default with them
 _NOISE_SCALE_CONTROLLERS = ("goodput",)
-_OK, _ERROR = 1.0, -1.0
 
 
 class DynamixCallback(ClusterMetricsMonitor):
@@ -119,9 +114,17 @@ class DynamixCallback(ClusterMetricsMonitor):
         )
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
-        self.lr_scale = 1.0
-        self.base_global_batch: int | None = None
-        self._warned_not_finite = False
+        self.maker = DecisionMaker(self.controller, self.controller_name, self.lr_scaling, "DynamixCallback")
+
+    @property
+    def lr_scale(self) -> float:
+        """The learning-rate scale in force, relative to the learning rate at the start of training."""
+        return self.maker.lr_scale
+
+    @property
+    def base_global_batch(self) -> int | None:
+        """The global batch at the start of training: what the learning-rate rule is relative to."""
+        return self.maker.base_global_batch
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -159,90 +162,35 @@ class DynamixCallback(ClusterMetricsMonitor):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if self.base_global_batch is None:
-            self.base_global_batch = sum(self._strategy_or_fail().batch_sizes or ())
+        if self.maker.base_global_batch is None:
+            self.maker.base_global_batch = sum(self._strategy_or_fail().batch_sizes or ())
 
     # ------------------------------------------------------------------ deciding
     @override
     def decide_and_apply(self, trainer: Trainer, pl_module: LightningModule, state: ClusterState) -> Decision:
         strategy = self._strategy_or_fail()
         current = list(strategy.batch_sizes or state.batch_sizes)
-        world = len(current)
-        payload = [_OK, self.lr_scale, -1.0, *map(float, current)]
-        message = ""
-        if trainer.is_global_zero:
-            try:
-                decision = self._decide(state, current)
-                payload = [_OK, decision.lr_scale, float(-1 if decision.from_step is None else decision.from_step)]
-                payload += [float(b) for b in decision.batch_sizes]
-            except Exception as err:  # every rank must leave the broadcast, then all fail alike
-                message = f"{type(err).__name__}: {err}"
-                payload = [_ERROR, 1.0, -1.0, *map(float, current)]
-        payload = broadcast_floats(payload, device=strategy.root_device)
-        if payload[0] == _ERROR:
-            raise RuntimeError(
-                f"DynamixCallback's controller {self.controller_name} failed on rank 0 at step {state.step}"
-                + (f": {message}" if message else "; see rank 0's error.")
-            )
-        from_step = None if payload[2] < 0 else int(payload[2])
-        decision = Decision(tuple(int(b) for b in payload[3 : 3 + world]), lr_scale=payload[1], from_step=from_step)
+        decision = self.maker.decide(state, current, trainer.is_global_zero, strategy.root_device)
         if list(decision.batch_sizes) != current:
             strategy.set_batch_sizes(decision.batch_sizes, decision.from_step)
-        if decision.lr_scale != self.lr_scale:
-            ratio = decision.lr_scale / self.lr_scale
+        if decision.lr_scale != self.maker.lr_scale:
+            ratio = self.maker.lr_ratio(decision)
             for optimizer in trainer.optimizers:
                 for group in optimizer.param_groups:
                     group["lr"] *= ratio
-            self.lr_scale = decision.lr_scale
         return decision
 
     def _decide(self, state: ClusterState, current: list[int]) -> Decision:
-        """Rank 0: the controller's decision, checked, with the learning-rate rule applied."""
-        needed = ("compute_time", "step_time", "data_time")
-        if not state.is_finite(needed):
-            if not self._warned_not_finite:
-                bad = [w.rank for w in state.workers if not all(math.isfinite(getattr(w, n)) for n in needed)]
-                log.warning(
-                    "DynamixCallback: ranks %s reported no complete step in the interval ending at step %d"
-                    " (not finite measurements); keeping the current batch sizes %s. This warning is shown once;"
-                    " a longer `interval` gives every rank time to report.",
-                    bad,
-                    state.step,
-                    current,
-                )
-                self._warned_not_finite = True
-            return Decision(tuple(current), lr_scale=self.lr_scale)
-        decision = self.controller.decide(state)
-        low, high = state.min_batch_size, state.max_batch_size
-        sizes = list(decision.batch_sizes)
-        if len(sizes) != len(current) or any(b < low or (high is not None and b > high) for b in sizes):
-            raise ValueError(
-                f"the controller decided batch sizes {sizes} for {len(current)} ranks; every size must lie in"
-                f" [{low}, {high if high is not None else 'no limit'}]"
-            )
-        # the callback's rule decides the learning rate, whatever rule a controller object carries
-        if self.base_global_batch is None:
-            self.base_global_batch = sum(current)
-        scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
-        return Decision(tuple(sizes), lr_scale=scale, from_step=decision.from_step)
+        """Rank 0's decision for ``state``, checked, with the learning-rate rule applied (no collective)."""
+        return self.maker._decide(state, current)
 
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
         # the batch sizes themselves are in the training DataLoader's state (the sampler's schedule)
-        state = super().state_dict()
-        state.update(
-            controller=self.controller.state_dict(),
-            lr_scale=self.lr_scale,
-            base_global_batch=self.base_global_batch,
-            warned_not_finite=self._warned_not_finite,
-        )
-        return state
+        return {**super().state_dict(), **self.maker.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
-        self.controller.load_state_dict(state_dict["controller"])
-        self.lr_scale = float(state_dict["lr_scale"])
-        self.base_global_batch = state_dict["base_global_batch"]
-        self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))
+        self.maker.load_state_dict(state_dict)

@@ -12,40 +12,18 @@ same and also decides new batch sizes.
 from __future__ import annotations
 
 import math
-import time
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from lightning_dynamix._checks import require_int
 from lightning_dynamix.control.base import Decision
-from lightning_dynamix.distributed import gather_floats
-from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
+from lightning_dynamix.loop import IntervalMeter, IntervalRecord
+from lightning_dynamix.metrics import ClusterState
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
-NAN = float("nan")
-_LOSS_HISTORY = 4  # intervals the loss slope is fitted over
-
-
-@dataclass(frozen=True)
-class IntervalRecord:
-    """What happened at one decision point.
-
-    Attributes:
-        step: the optimizer step at which the state was gathered.
-        time: seconds since training started.
-        state: the gathered cluster state.
-        decision: the decision taken there (``None`` for a monitor, which only logs).
-    """
-
-    step: int
-    time: float
-    state: ClusterState
-    decision: Decision | None = None
+__all__ = ["ClusterMetricsMonitor", "IntervalRecord"]
 
 
 def _heterogeneous_strategy(trainer: Trainer, owner: str) -> HeterogeneousDDPStrategy:
@@ -82,20 +60,18 @@ class ClusterMetricsMonitor(Callback):
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
     ) -> None:
-        self.interval = require_int("interval", interval, 1)
-        self.warmup_steps = require_int("warmup_steps", warmup_steps, 0)
+        self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
+        self.interval = self.meter.interval
+        self.warmup_steps = self.meter.warmup_steps
         self.measure_noise_scale = bool(gradient_noise_scale)
-        self.noise_scale = GradientNoiseScale(ema_decay=noise_scale_ema) if self.measure_noise_scale else None
+        self.noise_scale = self.meter.noise_scale
         self.log_per_rank = bool(log_per_rank)
-        self.history: list[IntervalRecord] = []
         self._strategy: HeterogeneousDDPStrategy | None = None
-        self._clock: StepClock | None = None
-        self._system: SystemMonitor | None = None
-        self._loss_sum: torch.Tensor | None = None
-        self._loss_count = 0
-        self._loss_points: list[tuple[int, float]] = []
-        self._last_global_step = -1
-        self._started = 0.0
+
+    @property
+    def history(self) -> list[IntervalRecord]:
+        """Every gathered state and decision, on every rank."""
+        return self.meter.history
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -103,17 +79,15 @@ class ClusterMetricsMonitor(Callback):
         if stage != "fit":
             return
         self._strategy = _heterogeneous_strategy(trainer, type(self).__name__)
-        self._clock = self._strategy.enable_step_clock()
+        self._strategy.enable_step_clock()
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        device = pl_module.device
-        self._system = SystemMonitor(device.index if device.type == "cuda" else None)
+        strategy = self._strategy_or_fail()
+        assert strategy.step_clock is not None
+        self.meter.start(strategy.step_clock, pl_module.device, trainer.global_step)
         if self.noise_scale is not None:
-            self.noise_scale.to(device)
-            self._strategy_or_fail().enable_gradient_norms(self._record_gradient_norms)
-        self._last_global_step = trainer.global_step
-        self._started = time.perf_counter()
+            strategy.enable_gradient_norms(self.meter.record_gradient_norms)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -125,41 +99,20 @@ class ClusterMetricsMonitor(Callback):
             raise RuntimeError(f"{type(self).__name__} is used before Trainer.fit set it up")
         return self._strategy
 
-    def _record_gradient_norms(
-        self, local_sq_norm: torch.Tensor, local_samples: int, global_sq_norm: torch.Tensor, global_samples: int
-    ) -> None:
-        assert self.noise_scale is not None
-        self.noise_scale.update(local_sq_norm, local_samples, global_sq_norm, global_samples)
-
     # ------------------------------------------------------------------ per step
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert self._clock is not None
-        self._clock.step_end()
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-            # summed on the loss's device: read back once per interval, not once per step
-            if self._loss_sum is None:
-                self._loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
-            self._loss_sum.add_(loss.detach().reshape(()))
-            self._loss_count += 1
-        step = trainer.global_step
-        if step == self._last_global_step:
-            return  # no optimizer step this batch (gradient accumulation)
-        self._last_global_step = step
-        if step <= self.warmup_steps:
-            self._start_interval()
-            return
-        if (step - self.warmup_steps) % self.interval != 0:
+        if not self.meter.end_batch(loss, trainer.global_step):
             return
         state = self.gather_state(trainer, pl_module)
         decision = self.decide_and_apply(trainer, pl_module, state)
-        record = IntervalRecord(step, time.perf_counter() - self._started, state, decision)
+        record = IntervalRecord(trainer.global_step, self.meter.elapsed(), state, decision)
         self.history.append(record)
         self._log(trainer, record)
-        self._start_interval()
+        self.meter.start_interval()
 
     @property
     def bounds(self) -> tuple[int, int | None]:
@@ -171,65 +124,19 @@ class ClusterMetricsMonitor(Callback):
         """Nothing to decide for a monitor; :class:`DynamixCallback` decides here."""
         return None
 
-    def _start_interval(self) -> None:
-        assert self._clock is not None
-        self._clock.reset_interval()
-        self._loss_sum, self._loss_count = None, 0
-        if self.noise_scale is not None:
-            self.noise_scale.reset()
-
     # ------------------------------------------------------------------ gathering
     def gather_state(self, trainer: Trainer, pl_module: LightningModule) -> ClusterState:
         """Every rank's interval into one :class:`ClusterState`: a collective, call it on all ranks."""
         strategy = self._strategy_or_fail()
-        assert self._clock is not None
-        assert self._system is not None
-        summary = self._clock.summary()
-        system = self._system.sample()
-        sizes = strategy.current_batch_sizes or strategy.batch_sizes or ()
-        batch_size = summary.batch_size if summary.steps else sizes[trainer.global_rank]
-        loss = float(self._loss_sum) / self._loss_count if self._loss_sum is not None else NAN
-        values = {
-            "data_time": summary.data_time,
-            "compute_time": summary.compute_time,
-            "sync_wait": summary.sync_wait,
-            "step_time": summary.step_time,
-            "samples_per_s": summary.samples_per_s,
-            "cpu_util": system.cpu_util,
-            "mem_util": system.mem_util,
-            "gpu_util": system.gpu_util,
-            "gpu_mem_util": system.gpu_mem_util,
-            "gpu_power_w": system.gpu_power_w,
-            "gpu_temperature_c": system.gpu_temperature_c,
-            "comm_time": summary.comm_time,
-            "comm_bytes": summary.comm_bytes,
-            "bandwidth": summary.bandwidth,
-        }
-        names = WorkerMetrics.float_fields()
-        row = [float(batch_size), loss, *(values[name] for name in names)]
-        rows = gather_floats(row, device=strategy.root_device)  # the interval's one all_gather
-        workers = tuple(
-            WorkerMetrics(rank, int(r[0]), **dict(zip(names, r[2:], strict=True))) for rank, r in enumerate(rows)
-        )
-        global_loss = _weighted_loss([(r[0], r[1]) for r in rows])
-        if math.isfinite(global_loss):
-            self._loss_points = [*self._loss_points, (trainer.global_step, global_loss)][-_LOSS_HISTORY:]
-        noise_scale = NAN
-        if self.noise_scale is not None:
-            noise_scale = float(self.noise_scale.compute())  # declared-sum state: one more gather
         optimizers = trainer.optimizers
-        lr = float(optimizers[0].param_groups[0]["lr"]) if optimizers else NAN
-        low, high = self.bounds
-        return ClusterState(
-            workers=workers,
+        return self.meter.gather(
+            rank=trainer.global_rank,
             step=trainer.global_step,
             epoch=trainer.current_epoch,
-            loss=global_loss,
-            loss_slope=_slope(self._loss_points),
-            gradient_noise_scale=noise_scale,
-            lr=lr,
-            min_batch_size=low,
-            max_batch_size=high,
+            lr=float(optimizers[0].param_groups[0]["lr"]) if optimizers else math.nan,
+            sizes=strategy.current_batch_sizes or strategy.batch_sizes or (),
+            bounds=self.bounds,
+            device=strategy.root_device,
         )
 
     # ------------------------------------------------------------------ logging
@@ -274,33 +181,8 @@ class ClusterMetricsMonitor(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "loss_points": [list(p) for p in self._loss_points],
-            "noise_scale": None if self.noise_scale is None else self.noise_scale.state_dict(),
-        }
+        return self.meter.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._loss_points = [(int(s), float(v)) for s, v in state_dict.get("loss_points", [])]
-        saved = state_dict.get("noise_scale")
-        if saved is not None and self.noise_scale is not None:
-            self.noise_scale.load_state_dict(saved)
-
-
-def _weighted_loss(pairs: list[tuple[float, float]]) -> float:
-    """The global loss: ranks' interval means weighted by their batch sizes."""
-    finite = [(b, v) for b, v in pairs if math.isfinite(v)]
-    if len(finite) != len(pairs) or not finite:
-        return NAN
-    return sum(b * v for b, v in finite) / sum(b for b, _ in finite)
-
-
-def _slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares change of the loss per optimizer step over ``points``."""
-    if len(points) < 2:
-        return NAN
-    xs = [float(s) for s, _ in points]
-    ys = [v for _, v in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else NAN
+        self.meter.load_state_dict(state_dict)

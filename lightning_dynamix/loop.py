@@ -1,0 +1,302 @@
+"""The measure-decide-apply loop without a training framework, shared by Lightning's callbacks and Accelerate.
+
+* :class:`IntervalMeter`: one rank's bookkeeping between two decisions (step clock, system sample,
+  loss, gradient noise scale) and the interval's one all_gather into a
+  :class:`~lightning_dynamix.metrics.ClusterState`.
+* :class:`DecisionMaker`: rank 0 asks the controller, checks its answer, applies the learning-rate
+  rule, and broadcasts the :class:`~lightning_dynamix.control.Decision` so every rank applies the
+  same one (a failing controller fails every rank instead of leaving the others in a collective).
+
+Both are collectives where they say so: call them on every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_dynamix._checks import require_int
+from lightning_dynamix.control import BatchController, Decision, lr_scale
+from lightning_dynamix.distributed import broadcast_floats, gather_floats
+from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+NAN = float("nan")
+_LOSS_HISTORY = 4  # intervals the loss slope is fitted over
+_OK, _ERROR = 1.0, -1.0
+
+
+@dataclass(frozen=True)
+class IntervalRecord:
+    """What happened at one decision point.
+
+    Attributes:
+        step: the optimizer step at which the state was gathered.
+        time: seconds since training started.
+        state: the gathered cluster state.
+        decision: the decision taken there (``None`` for a monitor, which only logs).
+    """
+
+    step: int
+    time: float
+    state: ClusterState
+    decision: Decision | None = None
+
+
+class IntervalMeter:
+    """One rank's measurements between two decisions, and their gather into a ClusterState.
+
+    Args:
+        interval: optimizer steps between two gathers (>= 1).
+        warmup_steps: optimizer steps measured by nobody at the start (start-up is slow).
+        gradient_noise_scale: also estimate the gradient noise scale (fed through :meth:`record_gradient_norms`).
+        noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
+    """
+
+    def __init__(
+        self, interval: int = 10, warmup_steps: int = 5, gradient_noise_scale: bool = True, noise_scale_ema: float = 0.9
+    ) -> None:
+        self.interval = require_int("interval", interval, 1)
+        self.warmup_steps = require_int("warmup_steps", warmup_steps, 0)
+        self.noise_scale = GradientNoiseScale(ema_decay=noise_scale_ema) if gradient_noise_scale else None
+        self.history: list[IntervalRecord] = []
+        self.clock: StepClock | None = None
+        self._system: SystemMonitor | None = None
+        self._loss_sum: torch.Tensor | None = None
+        self._loss_count = 0
+        self._loss_points: list[tuple[int, float]] = []
+        self._last_step = -1
+        self._started = 0.0
+
+    def start(self, clock: StepClock, device: torch.device, step: int) -> None:
+        """Training starts (or resumes) at optimizer step ``step`` on ``device``, timed by ``clock``."""
+        self.clock = clock
+        self._system = SystemMonitor(device.index if device.type == "cuda" else None)
+        if self.noise_scale is not None:
+            self.noise_scale.to(device)
+        self._last_step = step
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def record_gradient_norms(
+        self, local_sq_norm: torch.Tensor, local_samples: int, global_sq_norm: torch.Tensor, global_samples: int
+    ) -> None:
+        """A synchronisation's squared gradient norms, before and after the all-reduce (the noise scale's input)."""
+        if self.noise_scale is not None:
+            self.noise_scale.update(local_sq_norm, local_samples, global_sq_norm, global_samples)
+
+    def end_batch(self, loss: object, step: int) -> bool:
+        """A batch is over; ``step`` is the optimizer step count after it. True when the interval is due."""
+        assert self.clock is not None, "IntervalMeter.start() was not called"
+        self.clock.step_end()
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            # summed on the loss's device: read back once per interval, not once per step
+            if self._loss_sum is None:
+                self._loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
+            self._loss_sum.add_(loss.detach().reshape(()))
+            self._loss_count += 1
+        if step == self._last_step:
+            return False  # no optimizer step this batch (gradient accumulation)
+        self._last_step = step
+        if step <= self.warmup_steps:
+            self.start_interval()
+            return False
+        return (step - self.warmup_steps) % self.interval == 0
+
+    def start_interval(self) -> None:
+        assert self.clock is not None
+        self.clock.reset_interval()
+        self._loss_sum, self._loss_count = None, 0
+        if self.noise_scale is not None:
+            self.noise_scale.reset()
+
+    def gather(
+        self,
+        *,
+        rank: int,
+        step: int,
+        epoch: int,
+        lr: float,
+        sizes: Sequence[int],
+        bounds: tuple[int, int | None],
+        device: torch.device,
+    ) -> ClusterState:
+        """Every rank's interval into one :class:`ClusterState`: a collective, call it on all ranks.
+
+        ``sizes`` are the per-rank sizes in force, used for a rank that completed no step in the interval.
+        """
+        assert self.clock is not None, "IntervalMeter.start() was not called"
+        assert self._system is not None
+        summary = self.clock.summary()
+        system = self._system.sample()
+        batch_size = summary.batch_size if summary.steps else sizes[rank]
+        loss = float(self._loss_sum) / self._loss_count if self._loss_sum is not None else NAN
+        values = {
+            "data_time": summary.data_time,
+            "compute_time": summary.compute_time,
+            "sync_wait": summary.sync_wait,
+            "step_time": summary.step_time,
+            "samples_per_s": summary.samples_per_s,
+            "cpu_util": system.cpu_util,
+            "mem_util": system.mem_util,
+            "gpu_util": system.gpu_util,
+            "gpu_mem_util": system.gpu_mem_util,
+            "gpu_power_w": system.gpu_power_w,
+            "gpu_temperature_c": system.gpu_temperature_c,
+            "comm_time": summary.comm_time,
+            "comm_bytes": summary.comm_bytes,
+            "bandwidth": summary.bandwidth,
+        }
+        names = WorkerMetrics.float_fields()
+        row = [float(batch_size), loss, *(values[name] for name in names)]
+        rows = gather_floats(row, device=device)  # the interval's one all_gather
+        workers = tuple(WorkerMetrics(r, int(v[0]), **dict(zip(names, v[2:], strict=True))) for r, v in enumerate(rows))
+        global_loss = _weighted_loss([(v[0], v[1]) for v in rows])
+        if math.isfinite(global_loss):
+            self._loss_points = [*self._loss_points, (step, global_loss)][-_LOSS_HISTORY:]
+        noise_scale = float(self.noise_scale.compute()) if self.noise_scale is not None else NAN  # one more gather
+        low, high = bounds
+        return ClusterState(
+            workers=workers,
+            step=step,
+            epoch=epoch,
+            loss=global_loss,
+            loss_slope=_slope(self._loss_points),
+            gradient_noise_scale=noise_scale,
+            lr=lr,
+            min_batch_size=low,
+            max_batch_size=high,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss_points": [list(p) for p in self._loss_points],
+            "noise_scale": None if self.noise_scale is None else self.noise_scale.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loss_points = [(int(s), float(v)) for s, v in state_dict.get("loss_points", [])]
+        saved = state_dict.get("noise_scale")
+        if saved is not None and self.noise_scale is not None:
+            self.noise_scale.load_state_dict(saved)
+
+
+class DecisionMaker:
+    """Rank 0 decides with ``controller``, every rank receives the same :class:`Decision`.
+
+    Args:
+        controller: the controller (rank 0 calls its ``decide``).
+        controller_name: how errors name it.
+        lr_scaling: the learning-rate rule; it decides the scale, whatever a controller's decision carries.
+        owner: how errors and warnings name the integration (``"DynamixCallback"``).
+    """
+
+    def __init__(self, controller: BatchController, controller_name: str, lr_scaling: str, owner: str) -> None:
+        self.controller = controller
+        self.controller_name = controller_name
+        self.lr_scaling = lr_scaling
+        self.owner = owner
+        self.lr_scale = 1.0
+        self.base_global_batch: int | None = None
+        self._warned_not_finite = False
+
+    def decide(self, state: ClusterState, current: Sequence[int], is_rank_zero: bool, device: torch.device) -> Decision:
+        """The decision of this interval on every rank: a collective (one broadcast)."""
+        current = list(current)
+        world = len(current)
+        payload = [_OK, self.lr_scale, -1.0, *map(float, current)]
+        message = ""
+        if is_rank_zero:
+            try:
+                decision = self._decide(state, current)
+                payload = [_OK, decision.lr_scale, float(-1 if decision.from_step is None else decision.from_step)]
+                payload += [float(b) for b in decision.batch_sizes]
+            except Exception as err:  # every rank must leave the broadcast, then all fail alike
+                message = f"{type(err).__name__}: {err}"
+                payload = [_ERROR, 1.0, -1.0, *map(float, current)]
+        payload = broadcast_floats(payload, device=device)
+        if payload[0] == _ERROR:
+            raise RuntimeError(
+                f"{self.owner}'s controller {self.controller_name} failed on rank 0 at step {state.step}"
+                + (f": {message}" if message else "; see rank 0's error.")
+            )
+        from_step = None if payload[2] < 0 else int(payload[2])
+        return Decision(tuple(int(b) for b in payload[3 : 3 + world]), lr_scale=payload[1], from_step=from_step)
+
+    def lr_ratio(self, decision: Decision) -> float:
+        """The factor to multiply every learning rate by for ``decision`` (and remember its scale)."""
+        ratio = decision.lr_scale / self.lr_scale
+        self.lr_scale = decision.lr_scale
+        return ratio
+
+    def _decide(self, state: ClusterState, current: list[int]) -> Decision:
+        """Rank 0: the controller's decision, checked, with the learning-rate rule applied."""
+        needed = ("compute_time", "step_time", "data_time")
+        if not state.is_finite(needed):
+            if not self._warned_not_finite:
+                bad = [w.rank for w in state.workers if not all(math.isfinite(getattr(w, n)) for n in needed)]
+                log.warning(
+                    "%s: ranks %s reported no complete step in the interval ending at step %d"
+                    " (not finite measurements); keeping the current batch sizes %s. This warning is shown once;"
+                    " a longer `interval` gives every rank time to report.",
+                    self.owner,
+                    bad,
+                    state.step,
+                    current,
+                )
+                self._warned_not_finite = True
+            return Decision(tuple(current), lr_scale=self.lr_scale)
+        decision = self.controller.decide(state)
+        low, high = state.min_batch_size, state.max_batch_size
+        sizes = list(decision.batch_sizes)
+        if len(sizes) != len(current) or any(b < low or (high is not None and b > high) for b in sizes):
+            raise ValueError(
+                f"the controller decided batch sizes {sizes} for {len(current)} ranks; every size must lie in"
+                f" [{low}, {high if high is not None else 'no limit'}]"
+            )
+        if self.base_global_batch is None:
+            self.base_global_batch = sum(current)
+        scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
+        return Decision(tuple(sizes), lr_scale=scale, from_step=decision.from_step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "controller": self.controller.state_dict(),
+            "lr_scale": self.lr_scale,
+            "base_global_batch": self.base_global_batch,
+            "warned_not_finite": self._warned_not_finite,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state_dict["controller"])
+        self.lr_scale = float(state_dict["lr_scale"])
+        self.base_global_batch = state_dict["base_global_batch"]
+        self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))
+
+
+def _weighted_loss(pairs: list[tuple[float, float]]) -> float:
+    """The global loss: ranks' interval means weighted by their batch sizes."""
+    finite = [(b, v) for b, v in pairs if math.isfinite(v)]
+    if len(finite) != len(pairs) or not finite:
+        return NAN
+    return sum(b * v for b, v in finite) / sum(b for b, _ in finite)
+
+
+def _slope(points: list[tuple[int, float]]) -> float:
+    """Least-squares change of the loss per optimizer step over ``points``."""
+    if len(points) < 2:
+        return NAN
+    xs = [float(s) for s, _ in points]
+    ys = [v for _, v in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else NAN
