@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_dynamix._checks import require_int
-from lightning_dynamix.control import BatchController, Decision, lr_scale
+from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
 from lightning_dynamix.distributed import broadcast_floats, gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
 
@@ -190,6 +190,55 @@ class IntervalMeter:
             self.noise_scale.load_state_dict(saved)
 
 
+# controllers that read the gradient noise scale: measured by default with them
+_NOISE_SCALE_CONTROLLERS = ("goodput",)
+
+
+def build_controller(
+    controller: str | BatchController,
+    controller_kwargs: dict[str, Any] | None,
+    min_batch_size: int | None,
+    max_batch_size: int | None,
+    lr_scaling: str,
+) -> tuple[BatchController, str]:
+    """A controller from a name (with its arguments and the bounds) or an object; returns it and its name.
+
+    Raises:
+        ValueError: for an unknown name, or ``controller_kwargs`` with an object.
+    """
+    if isinstance(controller, str):
+        if controller not in CONTROLLERS:
+            raise ValueError(
+                f"`controller` must be one of {sorted(CONTROLLERS)} or a BatchController object, got {controller!r}"
+            )
+        kwargs = dict(controller_kwargs or {})
+        if controller in ("pid", "goodput"):  # the static controller takes no arguments
+            bounds = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size}
+            kwargs.update({k: v for k, v in bounds.items() if v is not None and k not in kwargs})
+            kwargs.setdefault("lr_scaling", lr_scaling)
+        return make_controller(controller, **kwargs), controller
+    if isinstance(controller, BatchController):
+        if controller_kwargs:
+            raise ValueError(
+                "`controller_kwargs` configure a controller given by name; this controller is an object"
+                f" ({type(controller).__name__}): configure it directly. Got {controller_kwargs!r}."
+            )
+        return controller, type(controller).__name__
+    raise ValueError(
+        f"`controller` must be one of {sorted(CONTROLLERS)} or an object with decide(state),"
+        f" state_dict() and load_state_dict(), got {controller!r}"
+    )
+
+
+def wants_noise_scale(controller: BatchController, name: str, lr_scaling: str) -> bool:
+    """Whether the controller or the learning-rate rule reads the gradient noise scale."""
+    return (
+        name in _NOISE_SCALE_CONTROLLERS
+        or lr_scaling == "adascale"
+        or bool(getattr(controller, "needs_gradient_noise_scale", False))
+    )
+
+
 class DecisionMaker:
     """Rank 0 decides with ``controller``, every rank receives the same :class:`Decision`.
 
@@ -281,6 +330,45 @@ class DecisionMaker:
         self.lr_scale = float(state_dict["lr_scale"])
         self.base_global_batch = state_dict["base_global_batch"]
         self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))
+
+
+def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[str, float]:
+    """One decision point's ``dynamix/...`` metrics for loggers and trackers (what ``dynamix report`` reads)."""
+    state = record.state
+    metrics: dict[str, float] = {
+        "dynamix/global_batch": float(state.global_batch),
+        "dynamix/throughput": state.throughput,
+        "dynamix/ideal_throughput": state.ideal_throughput,
+        "dynamix/throughput_to_ideal": state.throughput / state.ideal_throughput,
+        "dynamix/step_time": state.step_time,
+        "dynamix/gradient_noise_scale": state.gradient_noise_scale,
+        "dynamix/loss": state.loss,
+        "dynamix/lr": state.lr,
+        "dynamix/bandwidth": state.bandwidth,
+    }
+    if record.decision is not None:
+        metrics["dynamix/lr_scale"] = record.decision.lr_scale
+        for rank, size in enumerate(record.decision.batch_sizes):
+            metrics[f"dynamix/rank_{rank}/next_batch_size"] = float(size)
+    if log_per_rank:
+        for w in state.workers:
+            prefix = f"dynamix/rank_{w.rank}"
+            metrics[f"{prefix}/batch_size"] = float(w.batch_size)
+            metrics[f"{prefix}/data_time"] = w.data_time
+            metrics[f"{prefix}/compute_time"] = w.compute_time
+            metrics[f"{prefix}/sync_wait"] = w.sync_wait
+            metrics[f"{prefix}/step_time"] = w.step_time
+            metrics[f"{prefix}/samples_per_s"] = w.samples_per_s
+            metrics[f"{prefix}/own_samples_per_s"] = w.own_samples_per_s
+            metrics[f"{prefix}/comm_time"] = w.comm_time
+            metrics[f"{prefix}/cpu_util"] = w.cpu_util
+            metrics[f"{prefix}/mem_util"] = w.mem_util
+            if math.isfinite(w.gpu_util):
+                metrics[f"{prefix}/gpu_util"] = w.gpu_util
+                metrics[f"{prefix}/gpu_mem_util"] = w.gpu_mem_util
+                metrics[f"{prefix}/gpu_power_w"] = w.gpu_power_w
+                metrics[f"{prefix}/gpu_temperature_c"] = w.gpu_temperature_c
+    return metrics
 
 
 def _weighted_loss(pairs: list[tuple[float, float]]) -> float:

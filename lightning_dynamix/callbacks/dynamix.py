@@ -18,13 +18,10 @@ from typing_extensions import override
 
 from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
-from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, make_controller
+from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
-from lightning_dynamix.loop import DecisionMaker
+from lightning_dynamix.loop import DecisionMaker, build_controller, wants_noise_scale
 from lightning_dynamix.metrics import ClusterState
-
-# controllers that read the gradient noise scale: measured by default with them
-_NOISE_SCALE_CONTROLLERS = ("goodput",)
 
 
 class DynamixCallback(ClusterMetricsMonitor):
@@ -74,37 +71,11 @@ class DynamixCallback(ClusterMetricsMonitor):
         require_optional_int("min_batch_size", min_batch_size, 1)
         require_optional_int("max_batch_size", max_batch_size, min_batch_size or 1, "min_batch_size")
         self.lr_scaling = validate_lr_scaling(lr_scaling)
-        if isinstance(controller, str):
-            if controller not in CONTROLLERS:
-                raise ValueError(
-                    f"`controller` must be one of {sorted(CONTROLLERS)} or a BatchController object, got {controller!r}"
-                )
-            kwargs = dict(controller_kwargs or {})
-            if controller in ("pid", "goodput"):  # the static controller takes no arguments
-                bounds = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size}
-                kwargs.update({k: v for k, v in bounds.items() if v is not None and k not in kwargs})
-                kwargs.setdefault("lr_scaling", lr_scaling)
-            self.controller: BatchController = make_controller(controller, **kwargs)
-            self.controller_name = controller
-        elif isinstance(controller, BatchController):
-            if controller_kwargs:
-                raise ValueError(
-                    "`controller_kwargs` configure a controller given by name; this controller is an object"
-                    f" ({type(controller).__name__}): configure it directly. Got {controller_kwargs!r}."
-                )
-            self.controller = controller
-            self.controller_name = type(controller).__name__
-        else:
-            raise ValueError(
-                f"`controller` must be one of {sorted(CONTROLLERS)} or an object with decide(state),"
-                f" state_dict() and load_state_dict(), got {controller!r}"
-            )
+        self.controller, self.controller_name = build_controller(
+            controller, controller_kwargs, min_batch_size, max_batch_size, self.lr_scaling
+        )
         if gradient_noise_scale is None:
-            gradient_noise_scale = (
-                self.controller_name in _NOISE_SCALE_CONTROLLERS
-                or self.lr_scaling == "adascale"
-                or bool(getattr(self.controller, "needs_gradient_noise_scale", False))
-            )
+            gradient_noise_scale = wants_noise_scale(self.controller, self.controller_name, self.lr_scaling)
         super().__init__(
             interval=interval,
             warmup_steps=warmup_steps,

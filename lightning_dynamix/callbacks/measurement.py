@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_dynamix.control.base import Decision
-from lightning_dynamix.loop import IntervalMeter, IntervalRecord
+from lightning_dynamix.loop import IntervalMeter, IntervalRecord, interval_metrics
 from lightning_dynamix.metrics import ClusterState
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
@@ -141,40 +141,7 @@ class ClusterMetricsMonitor(Callback):
 
     # ------------------------------------------------------------------ logging
     def _log(self, trainer: Trainer, record: IntervalRecord) -> None:
-        state = record.state
-        metrics: dict[str, float] = {
-            "dynamix/global_batch": float(state.global_batch),
-            "dynamix/throughput": state.throughput,
-            "dynamix/ideal_throughput": state.ideal_throughput,
-            "dynamix/throughput_to_ideal": state.throughput / state.ideal_throughput,
-            "dynamix/step_time": state.step_time,
-            "dynamix/gradient_noise_scale": state.gradient_noise_scale,
-            "dynamix/loss": state.loss,
-            "dynamix/lr": state.lr,
-            "dynamix/bandwidth": state.bandwidth,
-        }
-        if record.decision is not None:
-            metrics["dynamix/lr_scale"] = record.decision.lr_scale
-            for rank, size in enumerate(record.decision.batch_sizes):
-                metrics[f"dynamix/rank_{rank}/next_batch_size"] = float(size)
-        if self.log_per_rank:
-            for w in state.workers:
-                prefix = f"dynamix/rank_{w.rank}"
-                metrics[f"{prefix}/batch_size"] = float(w.batch_size)
-                metrics[f"{prefix}/data_time"] = w.data_time
-                metrics[f"{prefix}/compute_time"] = w.compute_time
-                metrics[f"{prefix}/sync_wait"] = w.sync_wait
-                metrics[f"{prefix}/step_time"] = w.step_time
-                metrics[f"{prefix}/samples_per_s"] = w.samples_per_s
-                metrics[f"{prefix}/own_samples_per_s"] = w.own_samples_per_s
-                metrics[f"{prefix}/comm_time"] = w.comm_time
-                metrics[f"{prefix}/cpu_util"] = w.cpu_util
-                metrics[f"{prefix}/mem_util"] = w.mem_util
-                if math.isfinite(w.gpu_util):
-                    metrics[f"{prefix}/gpu_util"] = w.gpu_util
-                    metrics[f"{prefix}/gpu_mem_util"] = w.gpu_mem_util
-                    metrics[f"{prefix}/gpu_power_w"] = w.gpu_power_w
-                    metrics[f"{prefix}/gpu_temperature_c"] = w.gpu_temperature_c
+        metrics = interval_metrics(record, self.log_per_rank)
         for logger in trainer.loggers:  # rank-zero-only inside the loggers
             logger.log_metrics(metrics, step=record.step)
 

@@ -124,6 +124,23 @@ def read_log(path: Path) -> RunLog:
     raise ValueError(f"{path} is neither a metrics.csv nor a TensorBoard event file")
 
 
+def merge_by_directory(logs: list[RunLog]) -> list[RunLog]:
+    """One run per directory: a resumed run writes a new event file next to the first one."""
+    merged: dict[Path, RunLog] = {}
+    for log in sorted(logs, key=lambda g: str(g.source)):
+        run = merged.setdefault(log.source.parent, RunLog(source=log.source))
+        for name, points in log.series.items():
+            for step, value in points:
+                run.add(PREFIX + name, step, value)
+        for rank, table in log.ranks.items():
+            for name, points in table.items():
+                for step, value in points:
+                    run.add(f"{PREFIX}rank_{rank}/{name}", step, value)
+    for run in merged.values():
+        run.sort()
+    return list(merged.values())
+
+
 def _plot_ranks(axis: Any, log: RunLog, name: str, scale: float = 1.0, style: str = "-", label: str = "") -> None:
     for rank in sorted(log.ranks):
         points = log.ranks[rank].get(name, [])
@@ -251,7 +268,7 @@ def run_report(args: argparse.Namespace) -> None:
     root: Path = args.log_dir
     if not root.exists():
         raise SystemExit(f"dynamix report: {root} does not exist")
-    logs = [read_log(path) for path in find_logs(root)]
+    logs = merge_by_directory([read_log(path) for path in find_logs(root)])
     logs = [log for log in logs if log.series or log.ranks]
     if not logs:
         raise SystemExit(

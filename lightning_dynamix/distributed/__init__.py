@@ -7,7 +7,12 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
-from lightning_dynamix.distributed.weighting import LossReduction, SyncWindowWeighting, validate_loss_reduction
+from lightning_dynamix.distributed.weighting import (
+    LossReduction,
+    SyncWindowWeighting,
+    report_gradient_norms,
+    validate_loss_reduction,
+)
 
 __all__ = [
     "BucketNorms",
@@ -17,6 +22,7 @@ __all__ = [
     "broadcast_floats",
     "gather_floats",
     "gather_ints",
+    "report_gradient_norms",
     "validate_loss_reduction",
     "weighted_allreduce_hook",
     "weighted_mean_all_reduce",

@@ -20,8 +20,13 @@ already fixed) it is exactly 1 and the hook does not touch the gradients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_dynamix.distributed.comm_hooks import WeightedAllReduceState
 
 LossReduction = Literal["mean", "sum"]
 LOSS_REDUCTIONS: tuple[str, ...] = ("mean", "sum")
@@ -122,3 +127,28 @@ class SyncWindowWeighting:
         if self.loss_reduction == "mean" and self._normaliser != self._window_samples:
             return self._normaliser / self._window_samples
         return 1.0
+
+
+def report_gradient_norms(
+    hook_state: WeightedAllReduceState,
+    weighting: SyncWindowWeighting,
+    sink: Callable[[torch.Tensor, int, torch.Tensor, int], None],
+) -> None:
+    """Hand a synchronisation's squared gradient norms to ``sink``, then clear them: call after backward.
+
+    ``sink(local_sq_norm, local_samples, global_sq_norm, global_samples)`` receives this rank's
+    gradient (the mean over its own samples of the window) and the all-reduced one (over all samples),
+    whatever weights the buckets carried. Nothing happens when the hook measured no norms.
+    """
+    norms = hook_state.norms
+    if norms is None or not norms.local:
+        return
+    # DDP waited for every bucket's all-reduce (and so its completion callback) before backward returned
+    local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
+    norms.clear()
+    own, total = weighting.window_own_samples, weighting.window_samples
+    # buckets hold (own / total) x this rank's mean gradient before the all-reduce and the global
+    # mean after it ("mean" losses); summed losses give own x and total x the means
+    mean = weighting.loss_reduction == "mean"
+    local_scale, global_scale = (total / own, 1.0) if mean else (1.0 / own, 1.0 / total)
+    sink(local * local_scale**2, own, reduced * global_scale**2, total)

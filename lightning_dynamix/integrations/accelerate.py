@@ -10,6 +10,15 @@ it weights this rank's gradient by ``b_r / sum(b)`` (a scalar on the loss's grad
 pass over the parameters), so the all-reduced gradient is exactly the mean over the global
 batch, as one process training on all ``sum(b)`` samples would compute.
 
+With a ``controller`` it also runs the decision loop of ``DynamixCallback``: every rank's steps
+are timed (data, own compute, all-reduce wait and bandwidth, system, loss, optionally the gradient
+noise scale); every ``interval`` optimizer steps (:meth:`~DynamixAccelerate.step`, called after
+``optimizer.step()``) the ranks gather one ``ClusterState``, rank 0 decides with the controller,
+every rank applies the decision from the same step, and the ``dynamix/...`` metrics go to
+Accelerate's trackers. Its state (sizes, position in the data, controller, learning-rate scale)
+is registered with ``accelerator.register_for_checkpointing``, so ``save_state``/``load_state``
+resume exactly.
+
 ```python
 accelerator = Accelerator()
 dynamix = DynamixAccelerate(accelerator, batch_sizes=[48, 16])
@@ -20,6 +29,7 @@ for epoch in range(epochs):
         dynamix.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        dynamix.step(loss)  # measures; every `interval` steps decides (with a controller)
 ```
 """
 
@@ -35,10 +45,26 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from lightning_dynamix._checks import require_int, require_optional_int
+from lightning_dynamix.control import BatchController, Decision
+from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.schedule import BatchSizes
-from lightning_dynamix.distributed import WeightedAllReduceState, weighted_allreduce_hook
+from lightning_dynamix.distributed import (
+    BucketNorms,
+    WeightedAllReduceState,
+    report_gradient_norms,
+    weighted_allreduce_hook,
+)
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
+from lightning_dynamix.loop import (
+    DecisionMaker,
+    IntervalMeter,
+    IntervalRecord,
+    build_controller,
+    interval_metrics,
+    wants_noise_scale,
+)
+from lightning_dynamix.metrics import StepClock
 
 
 class PreparedTrainLoader:
@@ -62,6 +88,11 @@ class PreparedTrainLoader:
     @property
     def dataset(self) -> Any:
         return self.loader.dataset
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration trains (after a finished epoch: the one after it)."""
+        return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Train epoch ``epoch`` on the next iteration (its order and its batch-size schedule)."""
@@ -106,7 +137,19 @@ class DynamixAccelerate:
             usual case), ``"sum"`` if it sums them.
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
         seed: seed of the global order; the same on every rank.
-        drop_last: skip the samples of an incomplete last global batch instead of spreading them.
+        drop_last: drop the samples of an incomplete last global batch instead of spreading them.
+        controller: ``None`` (sizes change only through :meth:`set_batch_sizes`), a controller name
+            (``"static"``, ``"pid"``, ``"goodput"``) or an object with ``decide(state) -> Decision``,
+            ``state_dict()`` and ``load_state_dict()``.
+        interval: optimizer steps between two decisions (>= 1).
+        warmup_steps: optimizer steps before the first measured interval.
+        lr_scaling: how the learning rate follows the global batch: ``"none"``, ``"linear"``,
+            ``"sqrt"``, ``"adascale"``.
+        controller_kwargs: arguments for a controller given by name.
+        gradient_noise_scale: estimate the gradient noise scale; default: when the controller or the
+            learning-rate rule reads it.
+        noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
+        log_per_rank: log each rank's batch size, times and throughput to the trackers.
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
@@ -124,6 +167,14 @@ class DynamixAccelerate:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        controller: str | BatchController | None = None,
+        interval: int = 10,
+        warmup_steps: int = 5,
+        lr_scaling: str = "none",
+        controller_kwargs: dict[str, Any] | None = None,
+        gradient_noise_scale: bool | None = None,
+        noise_scale_ema: float = 0.9,
+        log_per_rank: bool = True,
     ) -> None:
         from accelerate import Accelerator
 
@@ -167,7 +218,26 @@ class DynamixAccelerate:
         self.hook_state = WeightedAllReduceState()
         self.model: DistributedDataParallel | None = None
         self.train_loader: PreparedTrainLoader | None = None
+        self.optimizers: list[Any] = []
+        self.global_step = 0
         self._weighting = SyncWindowWeighting(accelerator.process_index, self.loss_reduction)
+        self.lr_scaling = validate_lr_scaling(lr_scaling)
+        self.log_per_rank = bool(log_per_rank)
+        self.meter: IntervalMeter | None = None
+        self.maker: DecisionMaker | None = None
+        if controller is not None:
+            built, name = build_controller(controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling)
+            if gradient_noise_scale is None:
+                gradient_noise_scale = wants_noise_scale(built, name, self.lr_scaling)
+            self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
+            self.maker = DecisionMaker(built, name, self.lr_scaling, "DynamixAccelerate")
+        elif controller_kwargs:
+            raise ValueError(f"`controller_kwargs` {controller_kwargs!r} given without a `controller`")
+
+    @property
+    def history(self) -> list[IntervalRecord]:
+        """Every gathered state and decision (empty without a controller)."""
+        return self.meter.history if self.meter is not None else []
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *objects: Any) -> Any:
@@ -200,8 +270,12 @@ class DynamixAccelerate:
                     raise ValueError("DynamixAccelerate.prepare got a second model; it weights one model's gradients")
                 obj.register_comm_hook(state=self.hook_state, hook=weighted_allreduce_hook)
                 self.model = obj
+            elif hasattr(obj, "param_groups"):
+                self.optimizers.append(obj)
         if train_index is not None:
             prepared.insert(train_index, loader)
+            self._start_measuring()
+            self.accelerator.register_for_checkpointing(self)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
@@ -245,6 +319,16 @@ class DynamixAccelerate:
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
         return self.train_loader
 
+    def _start_measuring(self) -> None:
+        if self.meter is None or self.train_loader is None:
+            return
+        clock = StepClock()
+        self.train_loader.loader.step_clock = clock
+        self.hook_state.clock = clock
+        if self.meter.noise_scale is not None:
+            self.hook_state.norms = BucketNorms()
+        self.meter.start(clock, self.accelerator.device, self.global_step)
+
     # ------------------------------------------------------------------ training
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """``accelerator.backward(loss)`` with this rank's gradient weighted by its share of the global batch."""
@@ -258,7 +342,56 @@ class DynamixAccelerate:
         loss.register_hook(lambda grad: grad * factor)
         self.hook_state.weight = self._weighting.sync_weight()
         self.accelerator.backward(loss, **kwargs)
+        if self.meter is not None:
+            assert self.meter.clock is not None
+            self.meter.clock.backward_end()
+            report_gradient_norms(self.hook_state, self._weighting, self.meter.record_gradient_norms)
         self._weighting.reset()
+
+    def step(self, loss: Tensor | None = None) -> Decision | None:
+        """One optimizer step is done: call it on every rank after ``optimizer.step()``.
+
+        Closes the step's measurement (with ``loss`` for the loss signals) and, every ``interval``
+        steps with a controller, gathers the cluster state, decides on rank 0 and applies the
+        decision on every rank (new sizes from an agreed step, the learning-rate scale on every
+        prepared optimizer) and logs to Accelerate's trackers. Returns the decision taken at this
+        step, else ``None``.
+        """
+        self.global_step += 1
+        if self.meter is None or self.maker is None:
+            return None
+        if self.train_loader is None:
+            raise RuntimeError("DynamixAccelerate.step needs the training DataLoader from prepare()")
+        if not self.meter.end_batch(loss, self.global_step):
+            return None
+        sampler = self.train_loader.batch_sampler
+        loader = self.train_loader.loader
+        current = list(sampler.batch_sizes)
+        groups = self.optimizers[0].param_groups if self.optimizers else []
+        state = self.meter.gather(
+            rank=self.accelerator.process_index,
+            step=self.global_step,
+            epoch=sampler.epoch,
+            lr=float(groups[0]["lr"]) if groups else float("nan"),
+            sizes=loader.current_batch_sizes if loader.current_step >= 0 else current,
+            bounds=(self.min_batch_size, self.max_batch_size),
+            device=self.accelerator.device,
+        )
+        if self.maker.base_global_batch is None:
+            self.maker.base_global_batch = sum(current)
+        decision = self.maker.decide(state, current, self.accelerator.is_main_process, self.accelerator.device)
+        if list(decision.batch_sizes) != current:
+            self._apply_sizes(decision.batch_sizes, decision.from_step)
+        if decision.lr_scale != self.maker.lr_scale:
+            ratio = self.maker.lr_ratio(decision)
+            for optimizer in self.optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] *= ratio
+        record = IntervalRecord(self.global_step, self.meter.elapsed(), state, decision)
+        self.meter.history.append(record)
+        self.accelerator.log(interval_metrics(record, self.log_per_rank), step=self.global_step)
+        self.meter.start_interval()
+        return decision
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> int:
         """Use ``batch_sizes`` from the first step no rank has produced yet; call it on every rank with the same sizes.
@@ -277,8 +410,35 @@ class DynamixAccelerate:
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
         )
+        return self._apply_sizes(sizes, None)
+
+    def _apply_sizes(self, sizes: Sequence[int], from_step: int | None) -> int:
+        assert self.train_loader is not None
         sampler = self.train_loader.batch_sampler
-        produced = torch.tensor([sampler.next_step], dtype=torch.int64)
+        # DataLoader workers prefetch: the first step no rank has produced is the earliest all can switch at
+        produced = torch.tensor([sampler.next_step if from_step is None else from_step], dtype=torch.int64)
         torch.distributed.all_reduce(produced, op=torch.distributed.ReduceOp.MAX)
-        self.batch_sizes = sizes
-        return sampler.set_batch_sizes(sizes, from_step=int(produced.item()))
+        self.batch_sizes = tuple(sizes)
+        return sampler.set_batch_sizes(sizes, from_step=max(int(produced.item()), sampler.next_step))
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Sizes and position in the data, optimizer steps, measurements and controller state."""
+        return {
+            "global_step": self.global_step,
+            "loader": self.train_loader.state_dict() if self.train_loader is not None else None,
+            "meter": self.meter.state_dict() if self.meter is not None else None,
+            "maker": self.maker.state_dict() if self.maker is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (``accelerator.load_state`` calls it)."""
+        self.global_step = int(state_dict["global_step"])
+        if state_dict.get("loader") is not None and self.train_loader is not None:
+            self.train_loader.load_state_dict(state_dict["loader"])
+            self.batch_sizes = tuple(self.train_loader.batch_sampler.batch_sizes)
+        if state_dict.get("meter") is not None and self.meter is not None:
+            self.meter.load_state_dict(state_dict["meter"])
+            self.meter.start(self.meter.clock or StepClock(), self.accelerator.device, self.global_step)
+        if state_dict.get("maker") is not None and self.maker is not None:
+            self.maker.load_state_dict(state_dict["maker"])

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -55,6 +54,7 @@ from lightning_dynamix.distributed import (
     SyncWindowWeighting,
     WeightedAllReduceState,
     gather_ints,
+    report_gradient_norms,
     validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
@@ -452,22 +452,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if syncing:
             assert self._weighting is not None
             if self._norm_sink is not None:
-                self._report_gradient_norms(self._norm_sink, self._weighting)
+                report_gradient_norms(self._hook_state, self._weighting, self._norm_sink)
             self._weighting.reset()
         return output
-
-    def _report_gradient_norms(self, sink: GradientNormSink, weighting: SyncWindowWeighting) -> None:
-        norms = self._hook_state.norms
-        if norms is None or not norms.local:
-            return
-        # DDP waited for every bucket's all-reduce (and so its completion callback) before backward returned
-        local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
-        norms.clear()
-        own, total = weighting.window_own_samples, weighting.window_samples
-        # buckets hold (own / total) x this rank's mean gradient before the all-reduce and the global
-        # mean after it ("mean" losses); summed losses give own x and total x the means
-        local_scale, global_scale = (total / own, 1.0) if self.loss_reduction == "mean" else (1.0 / own, 1.0 / total)
-        sink(local * local_scale**2, own, reduced * global_scale**2, total)
 
     def _window_estimate(self, step: int, sizes: BatchSizes, accumulate: int) -> int:
         """Samples over all ranks from ``step`` to the end of its accumulation window, as planned now."""

@@ -125,3 +125,22 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
         "weighted hook, weight 1",
         "weighted hook, weight 0.5",
     }
+
+
+def test_accelerate_example_runs_under_both_launchers_and_resumes(tmp_path):
+    script = str(ROOT / "examples" / "accelerate" / "train.py")
+    bin_dir = Path(sys.executable).parent
+    first = run(
+        [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+         "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0", script, "--epochs", "1"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "epoch 0: validation accuracy" in first
+    resumed = run([str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2", script, "--epochs", "2",
+                   "--resume"], cwd=tmp_path)  # fmt: skip
+    assert "epoch 0:" not in resumed  # it continued after the saved epoch
+    assert "epoch 1: validation accuracy" in resumed
+    (report,) = json.loads(dynamix("report", "dynamix_runs/accelerate", "--json", cwd=tmp_path))
+    assert report["ranks"] == 2
+    assert report["last_step"] > 64  # both runs' intervals, one epoch of 64 steps each
+    assert report["last_batch_sizes"][0] > report["last_batch_sizes"][1]  # the slowed rank 1 got fewer samples

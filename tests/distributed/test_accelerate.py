@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dynamix.cli.main import main
 from tests.distributed.conftest import JOBS
 
 pytestmark = pytest.mark.distributed
@@ -65,3 +69,57 @@ def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
         assert "Pass the plain model: dynamix.prepare(model, ...)" in messages["prepared"]
         assert "iterable-style (Stream)" in messages["iterable"]
         assert "fewer than one global batch" in messages["too-small"]
+
+
+def launch_pid(out: Path, mode: str) -> list[dict]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
+    proc = subprocess.run(
+        [*command, str(JOBS / "accelerate_pid_job.py"), str(out), mode],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"{mode} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_pid_rebalances_an_emulated_slow_rank_and_logs_to_the_trackers(tmp_path):
+    ranks = launch_pid(tmp_path, "balance")
+    history = ranks[0]["history"]
+    assert [r["decision"] for r in history] == [r["decision"] for r in ranks[1]["history"]]  # the same on both
+    assert [r["step"] for r in history] == list(range(10, 61, 5))
+    first_gap = history[0]["compute"][1] / history[0]["compute"][0]
+    assert first_gap > 2.0  # rank 1 is slower
+    final = history[-1]["decision"]
+    assert sum(final) == 128  # PID keeps the global batch
+    assert final[0] >= 2 * final[1]  # and gives the fast rank more
+    # both ranks trained the same sizes at every step
+    assert [t["step"] for t in ranks[0]["trained"]] == [t["step"] for t in ranks[1]["trained"]]
+    # the metrics reached Accelerate's TensorBoard tracker, and `dynamix report` reads them back
+    (summary,) = json.loads(run_report(tmp_path))
+    assert summary["intervals"] == len(history)
+    assert summary["last_batch_sizes"] == history[-1]["sizes"]
+
+
+def run_report(log_dir: Path) -> str:
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        main(["report", str(log_dir), "--json"])
+    return buffer.getvalue()
+
+
+def test_save_state_and_load_state_resume_with_the_same_sizes_order_and_controller(tmp_path):
+    first = launch_pid(tmp_path, "first")
+    resumed = launch_pid(tmp_path, "resume")
+    # rank 0 decides: its controller state is the one saved (Accelerate saves registered objects from rank 0)
+    assert resumed[0]["start"]["maker"] == first[0]["saved"]["maker"]
+    for rank in range(2):
+        saved, start = first[rank]["saved"], resumed[rank]["start"]
+        assert (start["step"], start["sizes"]) == (saved["step"], saved["sizes"]) == (20, saved["sizes"])
+        assert saved["sizes"] != [64, 64]  # the first run had rebalanced before it saved
+        # until the next decision (step 25) the resumed run trains exactly the batches the first run trained
+        expected = [t for t in first[rank]["trained"] if 20 < t["step"] <= 25]
+        assert resumed[rank]["trained"][: len(expected)] == expected
