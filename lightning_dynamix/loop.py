@@ -281,11 +281,15 @@ class DecisionMaker:
         from_step = None if payload[2] < 0 else int(payload[2])
         return Decision(tuple(int(b) for b in payload[3 : 3 + world]), lr_scale=payload[1], from_step=from_step)
 
-    def lr_ratio(self, decision: Decision) -> float:
-        """The factor to multiply every learning rate by for ``decision`` (and remember its scale)."""
+    def apply_lr_scale(self, decision: Decision, optimizers: Sequence[Any]) -> None:
+        """Multiply every parameter group's learning rate by the change of scale ``decision`` brings."""
+        if decision.lr_scale == self.lr_scale:
+            return
         ratio = decision.lr_scale / self.lr_scale
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] *= ratio
         self.lr_scale = decision.lr_scale
-        return ratio
 
     def _decide(self, state: ClusterState, current: list[int]) -> Decision:
         """Rank 0: the controller's decision, checked, with the learning-rate rule applied."""

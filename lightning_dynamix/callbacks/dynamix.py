@@ -144,11 +144,7 @@ class DynamixCallback(ClusterMetricsMonitor):
         decision = self.maker.decide(state, current, trainer.is_global_zero, strategy.root_device)
         if list(decision.batch_sizes) != current:
             strategy.set_batch_sizes(decision.batch_sizes, decision.from_step)
-        if decision.lr_scale != self.maker.lr_scale:
-            ratio = self.maker.lr_ratio(decision)
-            for optimizer in trainer.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] *= ratio
+        self.maker.apply_lr_scale(decision, trainer.optimizers)
         return decision
 
     def _decide(self, state: ClusterState, current: list[int]) -> Decision:

@@ -382,11 +382,7 @@ class DynamixAccelerate:
         decision = self.maker.decide(state, current, self.accelerator.is_main_process, self.accelerator.device)
         if list(decision.batch_sizes) != current:
             self._apply_sizes(decision.batch_sizes, decision.from_step)
-        if decision.lr_scale != self.maker.lr_scale:
-            ratio = self.maker.lr_ratio(decision)
-            for optimizer in self.optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] *= ratio
+        self.maker.apply_lr_scale(decision, self.optimizers)
         record = IntervalRecord(self.global_step, self.meter.elapsed(), state, decision)
         self.meter.history.append(record)
         self.accelerator.log(interval_metrics(record, self.log_per_rank), step=self.global_step)
