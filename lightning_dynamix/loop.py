@@ -266,7 +266,7 @@ class DecisionMaker:
         message = ""
         if is_rank_zero:
             try:
-                decision = self._decide(state, current)
+                decision = self.propose(state, current)
                 payload = [_OK, decision.lr_scale, float(-1 if decision.from_step is None else decision.from_step)]
                 payload += [float(b) for b in decision.batch_sizes]
             except Exception as err:  # every rank must leave the broadcast, then all fail alike
@@ -291,8 +291,12 @@ class DecisionMaker:
                 group["lr"] *= ratio
         self.lr_scale = decision.lr_scale
 
-    def _decide(self, state: ClusterState, current: list[int]) -> Decision:
-        """Rank 0: the controller's decision, checked, with the learning-rate rule applied."""
+    def propose(self, state: ClusterState, current: Sequence[int]) -> Decision:
+        """The controller's decision for ``state``, checked, with the learning-rate rule applied (no collective).
+
+        A state with measurements that are not finite keeps ``current`` (and warns once).
+        """
+        current = list(current)
         needed = ("compute_time", "step_time", "data_time")
         if not state.is_finite(needed):
             if not self._warned_not_finite:

@@ -147,10 +147,6 @@ class DynamixCallback(ClusterMetricsMonitor):
         self.maker.apply_lr_scale(decision, trainer.optimizers)
         return decision
 
-    def _decide(self, state: ClusterState, current: list[int]) -> Decision:
-        """Rank 0's decision for ``state``, checked, with the learning-rate rule applied (no collective)."""
-        return self.maker._decide(state, current)
-
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -12,13 +12,21 @@ training waited for each batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
-from lightning_dynamix.data.schedule import BatchSizes
+from lightning_dynamix.data.schedule import BatchSizes, validate_batch_sizes
 
 if TYPE_CHECKING:
     from lightning_dynamix.metrics.timers import StepClock
@@ -41,8 +49,8 @@ class _StepCountingIterator(Iterator[Any]):
         step = sampler._consume()
         loader._record_step(step)
         if clock is not None:
-            # an epoch's final step may be shorter or longer than the sizes in force: timed, but not typical
-            regular = loader._current_sizes == sampler.nominal_batch_sizes_at(step)
+            # only an epoch's final step may differ from the sizes in force (it takes what is left)
+            regular = step + 1 < len(sampler) or loader._current_sizes == sampler.nominal_batch_sizes_at(step)
             clock.data_end(loader._current_sizes[sampler.rank], regular=regular)
         return batch
 
@@ -118,3 +126,72 @@ class HeterogeneousDataLoader(DataLoader):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iterator continues where training stopped."""
         self.batch_sampler.load_state_dict(state_dict)
+
+
+_PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
+
+
+def new_sampler_for(
+    dataloader: DataLoader,
+    batch_sizes: Sequence[int] | None,
+    *,
+    rank: int,
+    world_size: int,
+    min_batch_size: int = 1,
+    max_batch_size: int | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    owner: str,
+    instead: str,
+) -> HeterogeneousBatchSampler:
+    """A :class:`HeterogeneousBatchSampler` over a plain ``DataLoader``'s dataset, for rank ``rank``.
+
+    ``batch_sizes=None`` gives every rank the DataLoader's ``batch_size``; the DataLoader's own
+    ``drop_last`` is honoured. The DataLoader must be a plain torch ``DataLoader`` over a map-style
+    dataset with the default samplers, whose order the global schedule replaces.
+
+    Raises:
+        ValueError: naming ``owner`` (who rebuilds the DataLoader) and ending with ``instead`` (what
+            to do instead), for anything else, for sizes that are not valid, or for a dataset smaller
+            than one global batch.
+    """
+    dataset = dataloader.dataset
+    if isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"The training dataset is iterable-style ({type(dataset).__name__}); {owner} needs a map-style"
+            " dataset (with __len__ and __getitem__) to give ranks different batch sizes."
+        )
+    if type(dataloader) is not DataLoader:
+        raise ValueError(
+            f"The training DataLoader is a {type(dataloader).__name__}; {owner} rebuilds plain torch"
+            f" DataLoaders only. {instead}"
+        )
+    if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in _PLAIN_SAMPLERS:
+        raise ValueError(
+            "The training DataLoader has a custom sampler or batch sampler"
+            f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__}). {owner} draws"
+            f" training batches from one global shuffled order and would discard it. {instead}"
+        )
+    argument = "batch_sizes"
+    if batch_sizes is None:
+        if dataloader.batch_size is None:
+            raise ValueError(f"Pass `batch_sizes` to {owner} or give the training DataLoader a batch_size.")
+        batch_sizes = [dataloader.batch_size] * world_size
+        argument = "DataLoader(batch_size) on every rank"
+    sizes = validate_batch_sizes(
+        batch_sizes,
+        world_size=world_size,
+        argument=argument,
+        min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size,
+    )
+    return HeterogeneousBatchSampler(
+        dataset,  # type: ignore[arg-type]
+        sizes,
+        rank=rank,
+        world_size=world_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last or dataloader.drop_last,
+    )

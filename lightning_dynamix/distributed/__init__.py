@@ -4,6 +4,7 @@ from lightning_dynamix.distributed.collectives import (
     broadcast_floats,
     gather_floats,
     gather_ints,
+    set_batch_sizes_on_every_rank,
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
@@ -23,6 +24,7 @@ __all__ = [
     "gather_floats",
     "gather_ints",
     "report_gradient_norms",
+    "set_batch_sizes_on_every_rank",
     "validate_loss_reduction",
     "weighted_allreduce_hook",
     "weighted_mean_all_reduce",

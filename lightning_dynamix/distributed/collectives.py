@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
 
 
 def weighted_mean_all_reduce(tensor: torch.Tensor, weight: float) -> torch.Tensor:
@@ -47,3 +51,43 @@ def broadcast_floats(values: Sequence[float], src: int = 0, device: torch.device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(tensor, src=src)
     return tensor.tolist()
+
+
+def set_batch_sizes_on_every_rank(
+    sampler: HeterogeneousBatchSampler,
+    sizes: Sequence[int],
+    from_step: int | None = None,
+    device: torch.device | None = None,
+) -> int:
+    """``sampler.set_batch_sizes`` from a step every rank agrees on: a collective, call it on every rank.
+
+    One all_gather checks that every rank passes the same ``sizes`` and ``from_step``, and finds
+    the first step no rank has produced yet (DataLoader workers prefetch, so ranks may be a few
+    steps apart): ``from_step=None`` applies the sizes from there. Without a process group of two
+    or more ranks it is ``sampler.set_batch_sizes(sizes, from_step)``.
+
+    Returns:
+        The step of the current epoch from which the sizes apply.
+
+    Raises:
+        ValueError: on every rank, when the ranks disagree, or ``from_step`` was already produced on some rank.
+    """
+    step = from_step
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        local = [sampler.next_step, -1 if from_step is None else from_step, *sizes]
+        rows = gather_ints(local, device=device)
+        if any(row[1:] != rows[0][1:] for row in rows):
+            raise ValueError(
+                "set_batch_sizes() was called with different arguments on different ranks"
+                f" (from_step and sizes per rank: {[row[1:] for row in rows]}); every rank must pass"
+                " the same values, e.g. a decision broadcast from rank 0."
+            )
+        produced = max(row[0] for row in rows)
+        if from_step is None:
+            step = produced
+        elif from_step < produced:
+            raise ValueError(
+                f"`from_step`={from_step} was already produced on some rank (steps before {produced}"
+                " are fixed); pass from_step=None for the first step that can still change."
+            )
+    return sampler.set_batch_sizes(sizes, step)

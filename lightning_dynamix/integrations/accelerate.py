@@ -42,17 +42,19 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
 from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
+from lightning_dynamix.data.loader import new_sampler_for
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
     report_gradient_norms,
+    set_batch_sizes_on_every_rank,
     weighted_allreduce_hook,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
@@ -203,9 +205,9 @@ class DynamixAccelerate:
         self.accelerator = accelerator
         self.min_batch_size = require_int("min_batch_size", min_batch_size, 1)
         self.max_batch_size = require_optional_int("max_batch_size", max_batch_size, min_batch_size, "min_batch_size")
-        self.batch_sizes: BatchSizes | None = None
+        self._initial_sizes: BatchSizes | None = None
         if batch_sizes is not None:
-            self.batch_sizes = validate_batch_sizes(
+            self._initial_sizes = validate_batch_sizes(
                 batch_sizes,
                 world_size=accelerator.num_processes,
                 min_batch_size=self.min_batch_size,
@@ -235,6 +237,13 @@ class DynamixAccelerate:
             raise ValueError(f"`controller_kwargs` {controller_kwargs!r} given without a `controller`")
 
     @property
+    def batch_sizes(self) -> BatchSizes | None:
+        """The latest per-rank sizes (what new steps use); ``None`` before prepare() when none were given."""
+        if self.train_loader is not None:
+            return self.train_loader.batch_sampler.batch_sizes
+        return self._initial_sizes
+
+    @property
     def history(self) -> list[IntervalRecord]:
         """Every gathered state and decision (empty without a controller)."""
         return self.meter.history if self.meter is not None else []
@@ -262,8 +271,10 @@ class DynamixAccelerate:
                 )
         loader = self._train_loader(objects[train_index]) if train_index is not None else None
         rest = [o for i, o in enumerate(objects) if i != train_index]
-        prepared = list(self.accelerator.prepare(*rest)) if len(rest) > 1 else [self.accelerator.prepare(*rest)]
-        prepared = prepared if rest else []
+        prepared: list[Any] = []
+        if rest:  # accelerator.prepare returns one object unwrapped
+            out = self.accelerator.prepare(*rest)
+            prepared = list(out) if len(rest) > 1 else [out]
         for obj in prepared:
             if isinstance(obj, DistributedDataParallel):
                 if self.model is not None:
@@ -279,41 +290,18 @@ class DynamixAccelerate:
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
-        if isinstance(dataloader.dataset, IterableDataset):
-            raise ValueError(
-                f"The training DataLoader's dataset is iterable-style ({type(dataloader.dataset).__name__});"
-                " per-rank batch sizes need a map-style dataset (with __len__ and __getitem__)."
-            )
-        if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in (
-            RandomSampler,
-            SequentialSampler,
-        ):
-            raise ValueError(
-                "The training DataLoader has a custom sampler or batch sampler"
-                f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__}); DynamixAccelerate"
-                " draws batches from one global shuffled order and would discard it. Use"
-                " DataLoader(dataset, batch_size=..., shuffle=...)."
-            )
-        sizes: object = self.batch_sizes
-        argument = "batch_sizes"
-        if sizes is None:
-            sizes = [dataloader.batch_size] * self.accelerator.num_processes
-            argument = "DataLoader(batch_size) on every rank"
-        self.batch_sizes = validate_batch_sizes(
-            sizes,
-            world_size=self.accelerator.num_processes,
-            argument=argument,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-        )
-        sampler = HeterogeneousBatchSampler(
-            dataloader.dataset,  # type: ignore[arg-type]
-            self.batch_sizes,
+        sampler = new_sampler_for(
+            dataloader,
+            self._initial_sizes,
             rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
             shuffle=self.shuffle,
             seed=self.seed,
-            drop_last=self.drop_last or dataloader.drop_last,
+            drop_last=self.drop_last,
+            owner="DynamixAccelerate",
+            instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
         loader = HeterogeneousDataLoader.like(dataloader, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
@@ -381,7 +369,7 @@ class DynamixAccelerate:
             self.maker.base_global_batch = sum(current)
         decision = self.maker.decide(state, current, self.accelerator.is_main_process, self.accelerator.device)
         if list(decision.batch_sizes) != current:
-            self._apply_sizes(decision.batch_sizes, decision.from_step)
+            set_batch_sizes_on_every_rank(sampler, decision.batch_sizes, decision.from_step, self.accelerator.device)
         self.maker.apply_lr_scale(decision, self.optimizers)
         record = IntervalRecord(self.global_step, self.meter.elapsed(), state, decision)
         self.meter.history.append(record)
@@ -393,7 +381,8 @@ class DynamixAccelerate:
         """Use ``batch_sizes`` from the first step no rank has produced yet; call it on every rank with the same sizes.
 
         DataLoader workers prefetch, so ranks may have produced different numbers of batches; the
-        ranks agree (one all-reduce) on the first step none has produced and switch there.
+        ranks agree (one all_gather) on the first step none has produced and switch there. Ranks
+        that pass different sizes all raise ValueError instead of training on different schedules.
 
         Returns:
             The step of the current epoch from which the new sizes apply.
@@ -406,16 +395,7 @@ class DynamixAccelerate:
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
         )
-        return self._apply_sizes(sizes, None)
-
-    def _apply_sizes(self, sizes: Sequence[int], from_step: int | None) -> int:
-        assert self.train_loader is not None
-        sampler = self.train_loader.batch_sampler
-        # DataLoader workers prefetch: the first step no rank has produced is the earliest all can switch at
-        produced = torch.tensor([sampler.next_step if from_step is None else from_step], dtype=torch.int64)
-        torch.distributed.all_reduce(produced, op=torch.distributed.ReduceOp.MAX)
-        self.batch_sizes = tuple(sizes)
-        return sampler.set_batch_sizes(sizes, from_step=max(int(produced.item()), sampler.next_step))
+        return set_batch_sizes_on_every_rank(self.train_loader.batch_sampler, sizes, device=self.accelerator.device)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -432,9 +412,7 @@ class DynamixAccelerate:
         self.global_step = int(state_dict["global_step"])
         if state_dict.get("loader") is not None and self.train_loader is not None:
             self.train_loader.load_state_dict(state_dict["loader"])
-            self.batch_sizes = tuple(self.train_loader.batch_sampler.batch_sizes)
         if state_dict.get("meter") is not None and self.meter is not None:
             self.meter.load_state_dict(state_dict["meter"])
-            self.meter.start(self.meter.clock or StepClock(), self.accelerator.device, self.global_step)
         if state_dict.get("maker") is not None and self.maker is not None:
             self.maker.load_state_dict(state_dict["maker"])

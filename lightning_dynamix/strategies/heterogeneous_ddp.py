@@ -36,25 +36,21 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.data import (
-    BatchSampler,
     DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
 )
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
+from lightning_dynamix.data.loader import new_sampler_for
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
     SyncWindowWeighting,
     WeightedAllReduceState,
-    gather_ints,
     report_gradient_norms,
+    set_batch_sizes_on_every_rank,
     validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
@@ -64,7 +60,6 @@ from lightning_dynamix.metrics.timers import StepClock
 GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
 
 STRATEGY_NAME = "heterogeneous_ddp"
-_PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
 _UNSUPPORTED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "model_averaging_period")
 
 
@@ -232,26 +227,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if loader is None:
             self._batch_sizes = sizes
             return None
-        sampler = loader.batch_sampler
-        step = from_step
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            local = [sampler.next_step, -1 if from_step is None else from_step, *sizes]
-            rows = gather_ints(local, device=self.root_device)
-            if any(row[1:] != rows[0][1:] for row in rows):
-                raise ValueError(
-                    "set_batch_sizes() was called with different arguments on different ranks"
-                    f" (from_step and sizes per rank: {[row[1:] for row in rows]}); every rank must pass"
-                    " the same values, e.g. a decision broadcast from rank 0."
-                )
-            produced = max(row[0] for row in rows)
-            if from_step is None:
-                step = produced
-            elif from_step < produced:
-                raise ValueError(
-                    f"`from_step`={from_step} was already produced on some rank (steps before {produced}"
-                    " are fixed); pass from_step=None for the first step that can still change."
-                )
-        return sampler.set_batch_sizes(sizes, step)  # notifies _sync_trainer_epoch_length
+        # the sampler notifies _sync_trainer_epoch_length
+        return set_batch_sizes_on_every_rank(loader.batch_sampler, sizes, from_step, device=self.root_device)
 
     # ------------------------------------------------------------------ DDP set-up
     @override
@@ -287,12 +264,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 "HeterogeneousDDPStrategy needs the training data as a torch DataLoader over a map-style"
                 f" dataset, got {type(dataloader).__name__}."
             )
-        dataset = dataloader.dataset
-        if isinstance(dataset, IterableDataset):
-            raise MisconfigurationException(
-                f"The training dataset is iterable-style ({type(dataset).__name__}); HeterogeneousDDPStrategy"
-                " needs a map-style dataset (with __len__ and __getitem__) to give ranks different batch sizes."
-            )
         existing = dataloader.batch_sampler
         if isinstance(existing, HeterogeneousBatchSampler):
             if (existing.rank, existing.world_size) != (self.global_rank, self.world_size):
@@ -313,55 +284,23 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         return HeterogeneousDataLoader.like(dataloader, sampler)
 
     def _new_sampler(self, dataloader: DataLoader) -> HeterogeneousBatchSampler:
-        if type(dataloader) is not DataLoader:
-            raise MisconfigurationException(
-                f"The training DataLoader is a {type(dataloader).__name__}; HeterogeneousDDPStrategy rebuilds"
-                " plain torch DataLoaders only. Use torch.utils.data.DataLoader, or build a"
-                " HeterogeneousDataLoader yourself and train with Trainer(use_distributed_sampler=False)."
-            )
-        if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in _PLAIN_SAMPLERS:
-            raise MisconfigurationException(
-                "The training DataLoader has a custom sampler or batch sampler"
-                f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__})."
-                " HeterogeneousDDPStrategy draws training batches from one global shuffled order and would"
-                " discard it. Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader"
-                " yourself and train with Trainer(use_distributed_sampler=False)."
-            )
-        sizes: object = self.batch_sizes
-        argument = "batch_sizes"
-        if sizes is None:
-            if dataloader.batch_size is None:
-                raise MisconfigurationException(
-                    "Pass `batch_sizes` to HeterogeneousDDPStrategy or give the training DataLoader a batch_size."
-                )
-            sizes = [dataloader.batch_size] * self.world_size
-            argument = "DataLoader(batch_size) on every rank"
         try:
-            sizes = validate_batch_sizes(
-                sizes,
+            return new_sampler_for(
+                dataloader,
+                self._batch_sizes,
+                rank=self.global_rank,
                 world_size=self.world_size,
-                argument=argument,
                 min_batch_size=self.min_batch_size,
                 max_batch_size=self.max_batch_size,
+                shuffle=self.shuffle,
+                seed=self.seed,
+                drop_last=self.drop_last,
+                owner="HeterogeneousDDPStrategy",
+                instead="Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader yourself and"
+                " train with Trainer(use_distributed_sampler=False).",
             )
         except ValueError as err:
             raise MisconfigurationException(str(err)) from err
-        num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
-        if num_samples < sum(sizes):
-            raise MisconfigurationException(
-                f"The training dataset has {num_samples} samples, fewer than one global batch:"
-                f" batch_sizes {list(sizes)} sum to {sum(sizes)}. Use smaller batch sizes or more data."
-            )
-        sampler = HeterogeneousBatchSampler(
-            num_samples,
-            sizes,
-            rank=self.global_rank,
-            world_size=self.world_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last or dataloader.drop_last,
-        )
-        return sampler
 
     def _sync_trainer_epoch_length(self) -> None:
         """Tell Lightning's fit loop how many batches the current epoch now has.

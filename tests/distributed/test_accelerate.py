@@ -69,6 +69,8 @@ def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
         assert "Pass the plain model: dynamix.prepare(model, ...)" in messages["prepared"]
         assert "iterable-style (Stream)" in messages["iterable"]
         assert "fewer than one global batch" in messages["too-small"]
+        assert "prepared-ok" not in messages
+        assert "different arguments on different ranks" in messages["disagree"]
 
 
 def launch_pid(out: Path, mode: str) -> list[dict]:

@@ -184,13 +184,13 @@ def test_measurements_that_are_not_finite_never_reach_the_controller_and_warn_on
     # rank 1 completed no step in the interval: its times are NaN
     silent = ClusterState((WorkerMetrics(0, 24, 0.0, 0.1, 0.0, 0.1), WorkerMetrics(1, 24)))
     with caplog.at_level(logging.WARNING, logger="lightning_dynamix.loop"):
-        first = dynamix._decide(silent, [24, 24])
-        second = dynamix._decide(silent, [24, 24])
+        first = dynamix.maker.propose(silent, [24, 24])
+        second = dynamix.maker.propose(silent, [24, 24])
     assert first.batch_sizes == second.batch_sizes == (24, 24)
     assert controller.calls == 0
     assert len([r for r in caplog.records if "ranks [1] reported no complete step" in r.getMessage()]) == 1
     healthy = ClusterState((WorkerMetrics(0, 24, 0.0, 0.1, 0.0, 0.1), WorkerMetrics(1, 24, 0.0, 0.3, 0.0, 0.3)))
-    assert dynamix._decide(healthy, [24, 24]).batch_sizes == (40, 8)
+    assert dynamix.maker.propose(healthy, [24, 24]).batch_sizes == (40, 8)
 
 
 def test_monitor_estimates_the_loss_and_logs_without_deciding(tmp_path):

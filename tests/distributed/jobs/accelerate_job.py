@@ -34,6 +34,9 @@ if optimizer_name == "errors":  # what bad input says, on every rank
         ("prepared", lambda: dynamix.prepare(accelerator.prepare(make_network(0)))),
         ("iterable", lambda: dynamix.prepare(DataLoader(Stream(), batch_size=2))),
         ("too-small", lambda: dynamix.prepare(DataLoader(IndexedDataset(5), batch_size=2))),
+        ("prepared-ok", lambda: dynamix.prepare(DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4))),
+        # every rank passes other sizes: all must fail, none may train on its own schedule or hang
+        ("disagree", lambda: dynamix.set_batch_sizes([2 + accelerator.process_index, 8])),
     ):
         try:
             build()
