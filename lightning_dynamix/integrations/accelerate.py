@@ -187,7 +187,8 @@ class DynamixAccelerate:
             raise ValueError(
                 f"`accelerator` runs 1 process although the launcher started {launched}: without a GPU, Accelerate"
                 " only joins the processes when asked to use the CPU. Create it with"
-                " Accelerator(cpu=not torch.cuda.is_available()), or launch with `accelerate launch --cpu`."
+                " Accelerator(cpu=not torch.cuda.is_available()), or set ACCELERATE_USE_CPU=1 for"
+                " `accelerate launch --multi_gpu`."
             )
         if accelerator.num_processes < 2:
             raise ValueError(
