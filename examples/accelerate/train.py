@@ -36,11 +36,17 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=3.0, help="how many times slower that rank is")
     parser.add_argument("--output-dir", type=Path, default=Path("dynamix_runs/accelerate"))
     parser.add_argument("--resume", action="store_true", help="continue from the last saved state")
+    parser.add_argument(
+        "--gradient-accumulation-steps", type=int, default=1, help="batches per optimizer step (default 1)"
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     accelerator = Accelerator(
-        cpu=not torch.cuda.is_available(), log_with="tensorboard", project_dir=str(args.output_dir)
+        cpu=not torch.cuda.is_available(),
+        log_with="tensorboard",
+        project_dir=str(args.output_dir),
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
     )
     accelerator.init_trackers("train")
     dynamix = DynamixAccelerate(accelerator, controller=args.controller, interval=5, warmup_steps=5)
@@ -66,13 +72,14 @@ def main() -> None:
         loader.set_epoch(epoch)
         model.train()
         for x, y in loader:
-            began = time.perf_counter()
-            loss = F.cross_entropy(model(x), y)
-            if accelerator.process_index == args.slow_rank:  # forward and backward take about 3x the forward
-                time.sleep((args.factor - 1) * 3 * (time.perf_counter() - began))
-            dynamix.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(model):  # synchronises every --gradient-accumulation-steps batches
+                began = time.perf_counter()
+                loss = F.cross_entropy(model(x), y)
+                if accelerator.process_index == args.slow_rank:  # forward and backward take about 3x the forward
+                    time.sleep((args.factor - 1) * 3 * (time.perf_counter() - began))
+                dynamix.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
             dynamix.step(loss)
         model.eval()
         correct = total = 0

@@ -238,6 +238,15 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """The sizes in force at ``step`` of the current epoch, before the final step's adjustment."""
         return self.schedule.nominal_batch_sizes_at(step)
 
+    def planned_samples(self, start: int, stop: int) -> int:
+        """Samples over all ranks in steps ``[start, stop)`` of the current epoch, as the schedule plans them now.
+
+        ``stop`` is capped at the epoch's end. A gradient-accumulation window's expected size: sizes
+        changed later for steps not yet produced make the real window differ.
+        """
+        schedule = self.schedule
+        return sum(sum(schedule.batch_sizes_at(step)) for step in range(start, min(stop, len(schedule))))
+
     def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int:
         """Use ``batch_sizes`` from ``from_step`` of the current epoch on.
 

@@ -40,6 +40,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.state import GradientState
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -69,17 +71,22 @@ from lightning_dynamix.loop import (
 from lightning_dynamix.metrics import StepClock
 
 
-class PreparedTrainLoader:
+class PreparedTrainLoader(DataLoaderStateMixin):
     """The training DataLoader :meth:`DynamixAccelerate.prepare` returns: per-rank batches on the accelerator's device.
 
     Iterating it runs one epoch of the rank's batches; each new iteration starts the next epoch
     (the global order is reshuffled from the seed and the epoch), unless :meth:`set_epoch` chose
     one. ``len()`` is the number of steps of the current epoch, the same on every rank.
+
+    While it is iterated it is Accelerate's active DataLoader, like the loaders ``accelerator.prepare``
+    returns: ``end_of_dataloader`` turns true with the epoch's last batch, so
+    ``accelerator.accumulate()`` synchronises there and starts the next epoch with a new window.
     """
 
     def __init__(self, loader: HeterogeneousDataLoader, device: torch.device) -> None:
         self.loader = loader
         self.device = device
+        self.gradient_state = GradientState()
         self._epoch = 0
         self._epoch_set = False
 
@@ -110,8 +117,15 @@ class PreparedTrainLoader:
 
         self.batch_sampler.set_epoch(self._epoch)
         self._epoch_set = False
-        for batch in self.loader:
-            yield send_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
+        self.begin()
+        self.remainder = 0  # nothing is padded: every sample is trained once per epoch
+        try:
+            for batch in self.loader:
+                # the schedule says whether this is the last step (sizes can change only for steps not produced)
+                self.end_of_dataloader = self.loader.current_step + 1 >= len(self.batch_sampler)
+                yield send_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
+        finally:
+            self.end()
         if not self._epoch_set:
             self._epoch += 1
 
@@ -155,7 +169,8 @@ class DynamixAccelerate:
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
-            Accelerator that is not distributed, or gradient accumulation (not supported yet).
+            Accelerator that is not distributed, or one that all-reduces every accumulated batch
+            (``sync_each_batch=True``).
     """
 
     def __init__(
@@ -182,6 +197,12 @@ class DynamixAccelerate:
 
         if not isinstance(accelerator, Accelerator):
             raise ValueError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+            raise ValueError(
+                "`accelerator` all-reduces every accumulated batch (GradientAccumulationPlugin(sync_each_batch=True));"
+                " DynamixAccelerate weights the gradient of a whole accumulation window at its one all-reduce. Use"
+                " sync_each_batch=False (the default)."
+            )
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         if accelerator.num_processes < 2 and launched > 1:
             raise ValueError(
@@ -196,12 +217,6 @@ class DynamixAccelerate:
                 " batch sizes, which needs a distributed job: start the script with"
                 " `accelerate launch --multi_gpu --num_processes N script.py` or"
                 " `torchrun --nproc_per_node N script.py` (N >= 2), or train without DynamixAccelerate on one process."
-            )
-        if accelerator.gradient_accumulation_steps != 1:
-            raise ValueError(
-                f"`accelerator` accumulates gradients over {accelerator.gradient_accumulation_steps} steps;"
-                " DynamixAccelerate does not support gradient accumulation yet: use"
-                " Accelerator(gradient_accumulation_steps=1) and a larger batch size per rank instead."
             )
         self.accelerator = accelerator
         self.min_batch_size = require_int("min_batch_size", min_batch_size, 1)
@@ -320,22 +335,46 @@ class DynamixAccelerate:
 
     # ------------------------------------------------------------------ training
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """``accelerator.backward(loss)`` with this rank's gradient weighted by its share of the global batch."""
+        """``accelerator.backward(loss)`` with this rank's gradient weighted by its share of the global batch.
+
+        Under ``accelerator.accumulate(model)`` the batch is the accumulation window: every step
+        back-propagated since the last synchronisation, on every rank. The synchronised gradient
+        is the mean over all of the window's samples (the sum for ``loss_reduction="sum"``), also
+        when sizes change inside the window or the epoch's end cuts it short.
+        """
         loader = self.train_loader.loader if self.train_loader is not None else None
         if loader is None or self.model is None:
             raise RuntimeError("DynamixAccelerate.backward needs the model and the training DataLoader from prepare()")
         if loader.current_step < 0:
             raise RuntimeError("backward() was called before the training DataLoader handed out a batch")
-        sizes = loader.current_batch_sizes
-        factor = self._weighting.add_backward(loader.current_step, sizes, 1.0, sum(sizes))
+        step, sizes = loader.current_step, loader.current_batch_sizes
+        # accelerator.backward divides the loss by the accumulation steps; the weights undo that
+        accumulate = self.accelerator.gradient_accumulation_steps
+        estimate = None if self._weighting.window_started else self._window_estimate(step, sizes)
+        factor = self._weighting.add_backward(step, sizes, 1.0 / accumulate, estimate)
         loss.register_hook(lambda grad: grad * factor)
-        self.hook_state.weight = self._weighting.sync_weight()
+        syncing = self.model.require_backward_grad_sync  # False inside accumulate()/no_sync() between syncs
+        if syncing:
+            self.hook_state.weight = self._weighting.sync_weight()
         self.accelerator.backward(loss, **kwargs)
         if self.meter is not None:
             assert self.meter.clock is not None
             self.meter.clock.backward_end()
-            report_gradient_norms(self.hook_state, self._weighting, self.meter.record_gradient_norms)
-        self._weighting.reset()
+        if syncing:
+            if self.meter is not None:
+                report_gradient_norms(self.hook_state, self._weighting, self.meter.record_gradient_norms)
+            self._weighting.reset()
+
+    def _window_estimate(self, step: int, sizes: BatchSizes) -> int:
+        """Samples over all ranks from ``step`` to the synchronisation that ends its window, as planned now."""
+        accelerator = self.accelerator
+        if accelerator.gradient_accumulation_steps == 1 or accelerator.sync_gradients:
+            return sum(sizes)
+        # accumulate() counts the window's steps in accelerator.step and synchronises when it reaches a
+        # multiple of the accumulation steps, or at the epoch's last step
+        remaining = accelerator.gradient_accumulation_steps - accelerator.step % accelerator.gradient_accumulation_steps
+        assert self.train_loader is not None
+        return sum(sizes) + self.train_loader.batch_sampler.planned_samples(step + 1, step + 1 + remaining)
 
     def step(self, loss: Tensor | None = None) -> Decision | None:
         """One optimizer step is done: call it on every rank after ``optimizer.step()``.
@@ -344,9 +383,11 @@ class DynamixAccelerate:
         steps with a controller, gathers the cluster state, decides on rank 0 and applies the
         decision on every rank (new sizes from an agreed step, the learning-rate scale on every
         prepared optimizer) and logs to Accelerate's trackers. Returns the decision taken at this
-        step, else ``None``.
+        step, else ``None``. Under ``accelerator.accumulate(model)`` call it after every batch:
+        only batches that end a window (``accelerator.sync_gradients``) count as optimizer steps.
         """
-        self.global_step += 1
+        if self.accelerator.sync_gradients:
+            self.global_step += 1
         if self.meter is None or self.maker is None:
             return None
         if self.train_loader is None:

@@ -400,10 +400,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if accumulate == 1:
             return sum(sizes)
         assert self._train_loader is not None
-        sampler = self._train_loader.batch_sampler
-        epoch_end = min(len(sampler), self.lightning_module.trainer.num_training_batches)
-        window_end = min(step - step % accumulate + accumulate, epoch_end)
-        return sum(sizes) + sum(sum(sampler.batch_sizes_at(j)) for j in range(step + 1, window_end))
+        window_end = min(step - step % accumulate + accumulate, self.lightning_module.trainer.num_training_batches)
+        return sum(sizes) + self._train_loader.batch_sampler.planned_samples(step + 1, window_end)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:

@@ -62,6 +62,36 @@ def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_help
         assert sorted(seen) == list(range(NUM_SAMPLES))
 
 
+def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tmp_path, job_helpers):
+    launch("accelerate", tmp_path, "sgd", "0", "3")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    steps = [r["steps"] for r in ranks]
+    # one optimizer step per window of 3 batches, each epoch's last window cut short at the epoch's end
+    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, "sgd", accumulate=3)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+    epoch_lengths = [sum(1 for e, _, _ in steps[0] if e == epoch) for epoch in (0, 1)]
+    ends = [(b + 1) % 3 == 0 or b + 1 == epoch_lengths[e] for e, b, _ in steps[0]]
+    for rank in ranks:
+        assert rank["synced"] == ends  # accumulate() synchronised at the window ends and at each epoch's end
+        assert rank["global_step"] == sum(ends)  # DynamixAccelerate counts optimizer steps, not batches
+        assert rank["decision_steps"] == list(range(3, sum(ends) + 1, 2))  # warmup 1, then every 2 steps
+    # the sizes changed inside some windows (the case the window's correction factor makes exact)
+    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+    windows, current = [], []
+    for size, end in zip(sizes, ends):
+        current.append(size)
+        if end:
+            windows.append(current)
+            current = []
+    assert any(len(set(window)) > 1 for window in windows)
+    assert {(4, 4), (2, 8)} <= set(sizes)
+    for epoch in (0, 1):
+        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+
+
 def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
     launch("accelerate", tmp_path, "errors")
     for rank in range(2):

@@ -117,6 +117,17 @@ def test_len_is_known_before_iterating_and_sizes_change_from_the_next_step():
     assert len(steps) == len(samplers[0]) == 13
 
 
+def test_planned_samples_count_every_rank_up_to_the_epochs_end_under_a_pending_resize():
+    sampler = make_samplers(103, [2, 6])[0]
+    sampler.set_batch_sizes([4, 4], from_step=3)
+    # steps 1, 2 at [2, 6], steps 3, 4 at [4, 4]: what an accumulation window over them will hold
+    assert sampler.planned_samples(1, 5) == 8 + 8 + 8 + 8
+    steps = len(sampler)  # 12 steps of 8, then a tail step of the 7 left
+    assert steps == 13
+    assert sampler.planned_samples(0, steps) == 103
+    assert sampler.planned_samples(steps - 2, steps + 5) == 8 + 7  # capped at the epoch's end
+
+
 def test_resize_at_the_last_step_applies_from_the_next_epoch():
     samplers = make_samplers(16, [2, 2])
     steps = run_epoch(samplers)

@@ -1,6 +1,9 @@
 """DynamixAccelerate under `accelerate launch` or `torchrun`: uneven, changing sizes; every rank saves what it saw.
 
-Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py OUT_DIR [OPTIMIZER] [WORKERS]
+Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py OUT_DIR [OPTIMIZER] [WORKERS] [ACCUMULATE]
+
+With ACCUMULATE > 1 the loop runs under ``accelerator.accumulate(model)`` and a controller also
+changes the sizes every 2 optimizer steps, so sizes change inside accumulation windows too.
 """
 
 import sys
@@ -12,6 +15,7 @@ from accelerate import Accelerator
 from common import IndexedDataset, make_network, make_optimizer
 from torch.utils.data import DataLoader
 
+from lightning_dynamix.control import Decision
 from lightning_dynamix.integrations.accelerate import DynamixAccelerate
 
 out = Path(sys.argv[1])
@@ -21,8 +25,30 @@ NUM_SAMPLES = 150
 # (epoch, step within the epoch) after which every rank calls set_batch_sizes
 PLAN = {(0, 3): [6, 2], (0, 6): [1, 9], (1, 2): [5, 5], (1, 5): [2, 3]}
 
-accelerator = Accelerator(cpu=not torch.cuda.is_available())  # gloo processes on a machine without GPUs
-dynamix = DynamixAccelerate(accelerator, batch_sizes=[3, 7], seed=11)
+accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+
+
+class Alternate:
+    """A controller that ignores the measurements: [4, 4], then [2, 8], then [4, 4]..."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def decide(self, state):
+        self.calls += 1
+        return Decision((4, 4) if self.calls % 2 else (2, 8))
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state_dict):
+        self.calls = state_dict["calls"]
+
+
+# gloo processes on a machine without GPUs
+accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate)
+controller = {"controller": Alternate(), "interval": 2, "warmup_steps": 1} if accumulate > 1 else {}
+dynamix = DynamixAccelerate(accelerator, batch_sizes=[3, 7], seed=11, **controller)
 if optimizer_name == "errors":  # what bad input says, on every rank
     messages = {}
 
@@ -50,18 +76,27 @@ optimizer = make_optimizer(optimizer_name, network.parameters())
 loader = DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4, shuffle=True, num_workers=workers)
 model, optimizer, loader = dynamix.prepare(network, optimizer, loader)
 
-steps = []
+steps, synced = [], []
 for epoch in range(2):
     for step, (index, x, y) in enumerate(loader):
         steps.append((epoch, step, index.tolist()))
-        loss = F.cross_entropy(model(x), y)
-        dynamix.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):  # a no-op context without accumulation
+            loss = F.cross_entropy(model(x), y)
+            dynamix.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        synced.append(accelerator.sync_gradients)
+        dynamix.step(loss)
         if (epoch, step) in PLAN:
             dynamix.set_batch_sizes(PLAN[(epoch, step)])
 
 torch.save(
-    {"steps": steps, "params": {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}},
+    {
+        "steps": steps,
+        "synced": synced,
+        "global_step": dynamix.global_step,
+        "decision_steps": [r.step for r in dynamix.history],
+        "params": {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+    },
     out / f"rank{accelerator.process_index}.pt",
 )
