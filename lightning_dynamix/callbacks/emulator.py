@@ -118,7 +118,9 @@ class HeterogeneityEmulator(Callback):
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         assert self._strategy is not None
-        self._forward = time.perf_counter() - self._forward_start
+        assert self._clock is not None
+        # a collective inside training_step (sync_dist logging) waits for other ranks: not this rank's work
+        self._forward = time.perf_counter() - self._forward_start - self._clock.step_collective_time
         sizes = self._strategy.current_batch_sizes
         batch_size = sizes[self._rank] if sizes else 0
         self._forwards.append((batch_size, self._forward))

@@ -9,8 +9,10 @@ step, in seconds:
 * ``data_time``: waiting for the DataLoader;
 * ``compute_time``: from the batch being handed over to the last gradient bucket being ready,
   the rank's own forward and backward without any wait for other ranks (to the end of backward
-  on steps that do not synchronise);
-* ``sync_wait``: from the last bucket being ready to the end of backward;
+  on steps that do not synchronise), less the time spent in blocking collectives inside the step
+  before that point (:meth:`StepClock.collective`: a value logged with ``sync_dist=True`` from
+  ``training_step`` waits there for the slowest rank);
+* ``sync_wait``: from the last bucket being ready to the end of backward, plus those collectives;
 * ``step_time``: from asking for the batch to the end of the step;
 * ``comm_time`` and ``comm_bytes``: time with at least one all-reduce in flight, and the bytes
   all-reduced.
@@ -79,6 +81,11 @@ def _union_length(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Total length of the (disjoint) ``spans`` inside ``[start, end]``."""
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+
+
 class StepClock:
     """Timestamps of one rank's training steps; see the module docstring for what is derived.
 
@@ -123,6 +130,19 @@ class StepClock:
         with self._lock:
             self._comm_spans.append((started, now))
 
+    def collective(self, started: float, ended: float) -> None:
+        """A blocking collective inside the step ran from ``started`` to ``ended`` (``perf_counter`` seconds).
+
+        The part before the last gradient bucket is ready is waiting for the other ranks, not this
+        rank's compute: it moves from ``compute_time`` to ``sync_wait``.
+        """
+        self._collectives.append((started, ended))
+
+    @property
+    def step_collective_time(self) -> float:
+        """Seconds this step has spent in blocking collectives so far."""
+        return sum(end - start for start, end in self._collectives)
+
     def backward_end(self) -> None:
         """A backward pass returned (after DDP waited for its all-reduces, if it synchronised)."""
         self._backward_end = self._timer()
@@ -142,11 +162,12 @@ class StepClock:
         ready = self._last_bucket_ready if synchronised else work_end
         with self._lock:
             spans = list(self._comm_spans)
+        waited = _overlap(self._collectives, self._data_end, ready)  # waiting for others before the gradients
         record = StepRecord(
             batch_size=self._batch_size,
             data_time=self._data_end - self._data_start if self._data_start is not None else 0.0,
-            compute_time=ready - self._data_end,
-            sync_wait=max(0.0, work_end - ready),
+            compute_time=max(0.0, ready - self._data_end - waited),
+            sync_wait=max(0.0, work_end - ready) + waited,
             step_time=now - (self._data_start if self._data_start is not None else self._data_end),
             comm_time=_union_length(spans),
             comm_bytes=self._comm_bytes,
@@ -191,6 +212,7 @@ class StepClock:
         self._last_bucket_ready: float | None = None
         self._backward_end: float | None = None
         self._comm_bytes = 0
+        self._collectives: list[tuple[float, float]] = []
         self._closed = False
         with self._lock:
             self._comm_spans: list[tuple[float, float]] = []

@@ -24,6 +24,7 @@ unless asked for, and neither adds a collective.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -405,20 +406,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
+        distributed = dist.is_available() and dist.is_initialized()
+        if not (self._in_training_step and isinstance(tensor, Tensor) and distributed):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        # inside training_step (self.log(..., sync_dist=True)) every rank waits here for the slowest
+        started = time.perf_counter()
         loader = self._train_loader
-        if (
-            self._in_training_step
-            and group is None
-            and isinstance(tensor, Tensor)
-            and _is_mean(reduce_op)
-            and loader is not None
-            and loader.current_step >= 0
-            and dist.is_available()
-            and dist.is_initialized()
-        ):
+        if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
             sizes = loader.current_batch_sizes
-            return weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes))
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)
+            result = weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes))
+        else:
+            result = super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if self._step_clock is not None:  # the wait is not this rank's compute
+            self._step_clock.collective(started, time.perf_counter())
+        return result
 
     # ------------------------------------------------------------------ registry
     @classmethod

@@ -62,6 +62,31 @@ def test_step_clock_splits_a_step_into_data_own_compute_and_waiting_for_others()
     assert clock.step_end() is None  # a second close of the same step is ignored
 
 
+def test_waiting_in_a_collective_inside_the_step_counts_as_sync_wait_not_compute():
+    # self.log(..., sync_dist=True) in training_step: the rank waits there 30 ms for a slower one
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    clock.data_start()
+    t.advance(0.01)
+    clock.data_end(32)
+    t.advance(0.02)  # forward
+    clock.collective(t.now, t.now + 0.03)
+    t.advance(0.03)
+    assert clock.step_collective_time == pytest.approx(0.03)
+    t.advance(0.04)  # backward
+    clock.bucket_done(clock.bucket_ready(1000))
+    t.advance(0.005)
+    clock.backward_end()
+    clock.collective(t.now, t.now + 0.002)  # after the gradients: neither compute nor the gradients' wait
+    t.advance(0.002)
+    record = clock.step_end()
+    assert record.compute_time == pytest.approx(0.06)  # forward and backward only
+    assert record.sync_wait == pytest.approx(0.035)
+    assert record.step_time == pytest.approx(0.107)
+    clock.data_start()  # the next step starts with no collective time
+    assert clock.step_collective_time == 0.0
+
+
 def test_step_without_synchronisation_counts_all_of_backward_as_compute():
     t = ManualTime()
     clock = StepClock(timer=t)
