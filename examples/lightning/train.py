@@ -2,6 +2,7 @@
 
     python examples/lightning/train.py fit --config examples/lightning/class_path.yaml
     python examples/lightning/train.py fit --config examples/lightning/registered_name.yaml
+    python examples/lightning/train.py fit --config examples/lightning/dynamix.yaml
 
 Lightning starts the other processes itself (``devices: 2`` in the config).
 """
@@ -18,10 +19,15 @@ from lightning_dynamix.data import SyntheticClassificationDataset
 
 
 class Classifier(LightningModule):
-    def __init__(self, num_features: int = 32, num_classes: int = 4, hidden: int = 64, lr: float = 0.05) -> None:
+    def __init__(
+        self, num_features: int = 32, num_classes: int = 4, hidden: int = 64, depth: int = 1, lr: float = 0.05
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(num_features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        layers: list[nn.Module] = []
+        for width in [num_features] + [hidden] * (depth - 1):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+        self.net = nn.Sequential(*layers, nn.Linear(hidden, num_classes))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -57,6 +63,7 @@ class SyntheticData(LightningDataModule):
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # the processes of `devices: 2` share this machine's cores
     cli = LightningCLI(Classifier, SyntheticData)
     if cli.trainer.is_global_zero:
         strategy = cli.trainer.strategy

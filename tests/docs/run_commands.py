@@ -1,0 +1,261 @@
+"""Run the shell commands of the README and docs/ as they are written.
+
+    python -m tests.docs.run_commands          # the commands the test suite runs (the long ones are parsed)
+    python -m tests.docs.run_commands --all    # every command, the benchmarks and the demo included
+
+Every command in a ```bash block of README.md and docs/**/*.md is either run, from one working
+directory shared by all of them (so a command sees what the commands before it wrote, as a reader
+going through the pages would), or, for the long ones in :data:`LONG`, checked without running:
+a ``dynamix`` command is parsed by the real argument parser, a ``make`` target must exist. A
+command that appears on several pages runs once. :data:`CHECKS` asserts what some commands must
+print; :data:`STAND_INS` produce, in a short run, what a command needs from a long one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# commands (by their start) the test suite checks without running them, and why
+LONG: dict[str, str] = {
+    "make setup": "CI runs it before the suite",
+    "make test": "it is the test suite itself",
+    "make demo": "`dynamix demo`, below",
+    "source .venv/bin/activate": "the suite runs inside the virtual environment",
+    "dynamix demo": "about 90 s; tests/cli/test_cli.py runs a 1-epoch demo",
+    "dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
+    ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
+}
+
+# what a command needs from a long one, produced by a short run of it first
+STAND_INS: dict[str, str] = {
+    "dynamix report dynamix_runs/demo/logs": "dynamix demo --epochs 1 --batch-size 64",
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    """A fenced code block of a Markdown file."""
+
+    path: Path
+    line: int
+    language: str
+    text: str
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def doc_files() -> list[Path]:
+    """The README, then getting started, then every other page, in a fixed order."""
+    docs = sorted((ROOT / "docs").rglob("*.md"))
+    first = ROOT / "docs" / "getting-started.md"
+    return [ROOT / "README.md", first, *(p for p in docs if p != first)]
+
+
+def code_blocks(path: Path) -> Iterator[Block]:
+    """Every fenced block of ``path`` with its language (the word after the opening fence)."""
+    language, start, lines = None, 0, []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if language is None:
+                language, start, lines = line[3:].strip(), number, []
+            else:
+                yield Block(path, start, language, "\n".join(lines))
+                language = None
+        elif language is not None:
+            lines.append(line)
+
+
+def shell_commands(block: Block) -> list[str]:
+    """The commands of a bash block: continuation lines joined, comments and blank lines dropped."""
+    commands, pending = [], ""
+    for line in block.text.splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", line).rstrip()
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = (pending + line).strip()
+        pending = ""
+        if line:
+            commands.append(line)
+    return commands
+
+
+def all_commands() -> list[tuple[Block, str]]:
+    """Every distinct shell command of the docs, in reading order, with the block it first appears in."""
+    seen: set[str] = set()
+    found = []
+    for path in doc_files():
+        for block in code_blocks(path):
+            if block.language not in ("bash", "sh", "shell", "console"):
+                continue
+            for command in shell_commands(block):
+                if command not in seen:
+                    seen.add(command)
+                    found.append((block, command))
+    return found
+
+
+def long_reason(command: str) -> str | None:
+    """Why ``command`` is only checked, not run, by the test suite; ``None`` if it is run."""
+    return next((why for start, why in LONG.items() if command == start or command.startswith(start + " ")), None)
+
+
+def check_without_running(command: str) -> None:
+    """Parse a long command the way it would run; raise AssertionError if it could not."""
+    words = shlex.split(command)
+    if words[0] in ("dynamix", ".venv/bin/dynamix"):
+        from lightning_dynamix.cli.main import build_parser
+
+        try:
+            build_parser().parse_args(words[1:])
+        except SystemExit as exit_:
+            raise AssertionError(f"`{command}`: the dynamix command rejects these arguments") from exit_
+    elif words[0] == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
+        assert all(w in targets for w in words[1:]), f"`{command}`: no such target in the Makefile ({targets})"
+    elif words[0] == "source":
+        venv = re.search(r"^VENV=(\S+)$", (ROOT / "scripts" / "setup-venv.sh").read_text(), flags=re.MULTILINE)
+        assert venv is not None, "scripts/setup-venv.sh sets no VENV"
+        assert words[1] == f"{venv.group(1)}/bin/activate", f"`{command}`: the set-up makes no such venv"
+    else:
+        raise AssertionError(f"`{command}` is listed as long but there is no way to check it without running it")
+
+
+def prepare_workdir(workdir: Path) -> None:
+    """A working directory in which the docs' relative paths (examples/, .venv/) resolve to the repository's."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("examples", ".venv"):
+        link = workdir / name
+        if (ROOT / name).exists() and not link.exists():
+            link.symlink_to(ROOT / name)
+
+
+def environment() -> dict[str, str]:
+    """The environment a reader with the virtual environment active has (its bin/ first on PATH)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)  # left by an in-process Trainer: every command launches its own ranks
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def run_command(command: str, workdir: Path, timeout: float = 600) -> str:
+    """Run ``command`` with bash in ``workdir``; return its output, or raise AssertionError with it."""
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=workdir, env=environment(), capture_output=True, text=True, timeout=timeout
+    )
+    output = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"`{command}` exited with {proc.returncode}:\n{output[-6000:]}")
+    return output
+
+
+def _sizes(output: str, pattern: str) -> list[int]:
+    found = re.findall(pattern, output)
+    assert found, f"no match for {pattern!r} in:\n{output[-3000:]}"
+    return [int(v) for v in re.split(r"[,\s]+", found[-1].strip()) if v]
+
+
+def _rank_zero_got_more(pattern: str) -> Callable[[str], None]:
+    def check(output: str) -> None:
+        sizes = _sizes(output, pattern)
+        assert len(sizes) == 2, sizes
+        assert sizes[0] > sizes[1], f"rank 1 is slower but ended with {sizes}"
+
+    return check
+
+
+def _contains(*texts: str, absent: tuple[str, ...] = ()) -> Callable[[str], None]:
+    def check(output: str) -> None:
+        for text in texts:
+            assert text in output, f"{text!r} not in:\n{output[-3000:]}"
+        for text in absent:
+            assert text not in output, f"{text!r} in:\n{output[-3000:]}"
+
+    return check
+
+
+def _accelerate_report(output: str) -> None:
+    _rank_zero_got_more(r"batch sizes \[\d+, \d+\] -> \[(\d+, \d+)\]")(output)
+    _contains("2 ranks")(output)
+    # both launches' intervals in one run (a resumed run's event files are merged); an epoch has 64 steps
+    (last_step,) = _sizes(output, r"intervals logged \(steps \d+ to (\d+)\)")
+    assert last_step > 64, output[-3000:]
+
+
+# what some commands must print, beyond exiting with 0
+CHECKS: dict[str, Callable[[str], None]] = {
+    "python examples/lightning/callback.py": _rank_zero_got_more(r"final sizes \[(\d+, \d+)\]"),
+    "python examples/lightning/train.py fit --config examples/lightning/dynamix.yaml": _rank_zero_got_more(
+        r"per-rank batch sizes \((\d+, \d+)\)"
+    ),
+    "python examples/lightning/train.py fit --config examples/lightning/class_path.yaml": _contains(
+        "trained with HeterogeneousDDPStrategy, per-rank batch sizes (16, 48)"
+    ),
+    "python examples/lightning/train.py fit --config examples/lightning/registered_name.yaml": _contains(
+        "trained with HeterogeneousDDPStrategy, per-rank batch sizes (32, 32)"
+    ),
+    "accelerate launch --multi_gpu --num_processes 2 examples/accelerate/train.py --epochs 1": _contains(
+        "epoch 0: validation accuracy"
+    ),
+    "torchrun --standalone --nproc_per_node 2 examples/accelerate/train.py --epochs 2 --resume": _contains(
+        "epoch 1: validation accuracy",
+        absent=("epoch 0:",),  # it continued after the saved epoch
+    ),
+    "dynamix report dynamix_runs/accelerate": _accelerate_report,
+    "dynamix report dynamix_runs/callback": _contains("2 ranks", "dynamix_report.png"),
+    "dynamix report dynamix_runs/cli": _contains("2 ranks", "dynamix_report.png"),
+    "dynamix report dynamix_runs/demo/logs": _contains("logs/pid/metrics.csv", "logs/static/metrics.csv"),
+}
+
+
+def run_all(workdir: Path, run_long: bool = False, log: Callable[[str], None] = lambda _: None) -> list[str]:
+    """Run (or check) every command of the docs in order in ``workdir``; returns the failures."""
+    prepare_workdir(workdir)
+    failures = []
+    for block, command in all_commands():
+        reason = long_reason(command)
+        began = time.perf_counter()
+        try:
+            if reason is not None and not run_long:
+                check_without_running(command)
+                log(f"checked  {command}  ({block.where}; not run: {reason})")
+                continue
+            if command in STAND_INS and not run_long:
+                run_command(STAND_INS[command], workdir)
+            output = run_command(command, workdir)
+            if command in CHECKS:
+                CHECKS[command](output)
+            log(f"ran      {command}  ({block.where}, {time.perf_counter() - began:.0f} s)")
+        except (AssertionError, subprocess.TimeoutExpired) as error:
+            failures.append(f"{block.where}: {error}")
+            log(f"FAILED   {command}  ({block.where})")
+    return failures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--all", action="store_true", help="also run the long commands (benchmarks, the demo)")
+    parser.add_argument("--workdir", type=Path, default=ROOT, help="where to run them (default: the repository)")
+    args = parser.parse_args()
+    failures = run_all(args.workdir, run_long=args.all, log=print)
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
