@@ -25,6 +25,7 @@ from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
 from lightning_dynamix.distributed import broadcast_floats, gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
+from lightning_dynamix.metrics.state import loss_slope
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class IntervalMeter:
             step=step,
             epoch=epoch,
             loss=global_loss,
-            loss_slope=_slope(self._loss_points),
+            loss_slope=loss_slope(self._loss_points),
             gradient_noise_scale=noise_scale,
             lr=lr,
             min_batch_size=low,
@@ -191,7 +192,7 @@ class IntervalMeter:
 
 
 # controllers that read the gradient noise scale: measured by default with them
-_NOISE_SCALE_CONTROLLERS = ("goodput",)
+_NOISE_SCALE_CONTROLLERS = ("goodput", "ppo")
 
 
 def build_controller(
@@ -212,9 +213,10 @@ def build_controller(
                 f"`controller` must be one of {sorted(CONTROLLERS)} or a BatchController object, got {controller!r}"
             )
         kwargs = dict(controller_kwargs or {})
-        if controller in ("pid", "goodput"):  # the static controller takes no arguments
+        if controller in ("pid", "goodput", "ppo"):  # the static controller takes no arguments
             bounds = {"min_batch_size": min_batch_size, "max_batch_size": max_batch_size}
             kwargs.update({k: v for k, v in bounds.items() if v is not None and k not in kwargs})
+        if controller in ("pid", "goodput"):
             kwargs.setdefault("lr_scaling", lr_scaling)
         return make_controller(controller, **kwargs), controller
     if isinstance(controller, BatchController):
@@ -228,6 +230,17 @@ def build_controller(
         f"`controller` must be one of {sorted(CONTROLLERS)} or an object with decide(state),"
         f" state_dict() and load_state_dict(), got {controller!r}"
     )
+
+
+def check_world_size(controller: BatchController, world_size: int) -> None:
+    """Let a controller refuse a job size before training starts (``check_world_size(n)``, where it has one).
+
+    Raises:
+        ValueError: the controller's, when it cannot decide for ``world_size`` ranks.
+    """
+    check = getattr(controller, "check_world_size", None)
+    if callable(check):
+        check(world_size)
 
 
 def wants_noise_scale(controller: BatchController, name: str, lr_scaling: str) -> bool:
@@ -385,14 +398,3 @@ def _weighted_loss(pairs: list[tuple[float, float]]) -> float:
     if len(finite) != len(pairs) or not finite:
         return NAN
     return sum(b * v for b, v in finite) / sum(b for b, _ in finite)
-
-
-def _slope(points: list[tuple[int, float]]) -> float:
-    """Least-squares change of the loss per optimizer step over ``points``."""
-    if len(points) < 2:
-        return NAN
-    xs = [float(s) for s, _ in points]
-    ys = [v for _, v in points]
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var > 0 else NAN

@@ -20,7 +20,7 @@ from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
-from lightning_dynamix.loop import DecisionMaker, build_controller, wants_noise_scale
+from lightning_dynamix.loop import DecisionMaker, build_controller, check_world_size, wants_noise_scale
 from lightning_dynamix.metrics import ClusterState
 
 
@@ -28,7 +28,8 @@ class DynamixCallback(ClusterMetricsMonitor):
     """Decides every rank's batch size from measurements, every ``interval`` optimizer steps.
 
     Args:
-        controller: a controller name (``"static"``, ``"pid"``, ``"goodput"``) or an object with
+        controller: a controller name (``"static"``, ``"pid"``, ``"goodput"``, ``"ppo"``: the policy
+            that ships with the package) or an object with
             ``decide(state) -> Decision``, ``state_dict()`` and ``load_state_dict()``.
         interval: optimizer steps between two decisions (>= 1).
         warmup_steps: optimizer steps before the first measured interval (start-up is slow).
@@ -41,15 +42,16 @@ class DynamixCallback(ClusterMetricsMonitor):
             This rule decides, whatever scale a controller's decision carries.
         controller_kwargs: arguments for a controller given by name.
         gradient_noise_scale: estimate the gradient noise scale; default: when the controller or
-            the scaling rule uses it (``"goodput"``, ``"adascale"``).
+            the scaling rule uses it (``"goodput"``, ``"ppo"``, ``"adascale"``).
         noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
         log_per_rank: log each rank's batch size, times and throughput.
 
     Raises:
         ValueError: for an unknown controller name or scaling rule, an interval < 1, bounds that
             contradict each other, or ``controller_kwargs`` with a controller object.
-        MisconfigurationException: at set-up, with a strategy other than ``HeterogeneousDDPStrategy``
-            or bounds outside the strategy's.
+        MisconfigurationException: at set-up, with a strategy other than ``HeterogeneousDDPStrategy``,
+            bounds outside the strategy's, or more ranks than the controller can decide for (a
+            policy trained for fewer).
 
     A measurement that is not finite on some rank (a rank that reported no step in the interval)
     never reaches the controller: the current sizes are kept and a warning is logged once.
@@ -104,6 +106,10 @@ class DynamixCallback(ClusterMetricsMonitor):
         if stage != "fit":
             return
         strategy = self._strategy_or_fail()
+        try:
+            check_world_size(self.controller, trainer.world_size)
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
         low, high = strategy.min_batch_size, strategy.max_batch_size
         if self.min_batch_size is not None and self.min_batch_size < low:
             raise MisconfigurationException(

@@ -6,7 +6,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, demo, report
+from lightning_dynamix.cli import bench, bench_heterogeneity, demo, policy, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +24,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_arguments(report_parser)
     report_parser.set_defaults(func=report.run_report)
+
+    train = commands.add_parser(
+        "train-policy", help="train a batch-size policy with PPO in the cluster simulator and write its policy file"
+    )
+    policy.add_train_arguments(train)
+    train.set_defaults(func=policy.run_train)
+    simulate = commands.add_parser(
+        "simulate", help="controllers compared in the cluster simulator on held-out scenarios: time to accuracy"
+    )
+    policy.add_simulate_arguments(simulate)
+    simulate.set_defaults(func=policy.run_simulate)
 
     bench_parser = commands.add_parser("bench", help="measured benchmarks")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
@@ -43,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     tta = benchmarks.add_parser("tta", help="time to target accuracy and final accuracy per controller")
     bench_heterogeneity.add_tta_arguments(tta)
     tta.set_defaults(func=bench_heterogeneity.run_tta)
+    policy_bench = benchmarks.add_parser("policy", help="PPOController's decision time at several world sizes")
+    policy.add_bench_arguments(policy_bench)
+    policy_bench.set_defaults(func=policy.run_bench)
     return parser
 
 

@@ -5,8 +5,10 @@
   Sharma / OmniLearn, as a PID loop with a dead band).
 * :class:`GoodputController` picks the global batch that maximises throughput x statistical
   efficiency (Pollux) and splits it so that every rank finishes together.
+* :class:`PPOController` runs a policy trained with PPO in the cluster simulator (DYNAMIX);
+  ``"ppo"`` loads the policy that ships with the package.
 
-:func:`make_controller` builds one by name (``"static"``, ``"pid"``, ``"goodput"``), for configs and the
+:func:`make_controller` builds one by name (``"static"``, ``"pid"``, ``"goodput"``, ``"ppo"``), for configs and the
 command line; :mod:`~lightning_dynamix.control.lr_scaling` holds the learning-rate rules.
 """
 
@@ -30,12 +32,14 @@ from lightning_dynamix.control.goodput import (
 )
 from lightning_dynamix.control.lr_scaling import LR_SCALING_RULES, adascale_gain, lr_scale, validate_lr_scaling
 from lightning_dynamix.control.pid import PIDController
+from lightning_dynamix.control.ppo import PPOController
 from lightning_dynamix.control.static import StaticController
 
 CONTROLLERS: dict[str, type[Any]] = {
     "static": StaticController,
     "pid": PIDController,
     "goodput": GoodputController,
+    "ppo": PPOController,
 }
 
 
@@ -62,6 +66,7 @@ __all__ = [
     "Decision",
     "GoodputController",
     "PIDController",
+    "PPOController",
     "StaticController",
     "adascale_gain",
     "equal_time_split",

@@ -41,6 +41,8 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from lightning_dynamix._checks import require_int, require_number, require_optional_int
 from lightning_dynamix.control.allocation import (
     own_busy_time,
@@ -96,28 +98,32 @@ def equal_time_split(
     rest share the remainder at a common time; the result is rounded by largest remainders to sum
     to ``total`` exactly (or to the closest total the bounds allow).
     """
-    n = len(alphas)
     if total <= sum(lower):
         return round_to_total([float(v) for v in lower], total, lower, upper)
     if all(u is not None for u in upper) and total >= sum(u for u in upper if u is not None):
         return round_to_total([float(u) for u in upper if u is not None], total, lower, upper)
 
-    def sizes_at(common: float) -> list[float]:
-        out = []
-        for i in range(n):
-            b = max((common - alphas[i]) / betas[i], float(lower[i]))
-            out.append(b if upper[i] is None else min(b, float(upper[i])))  # type: ignore[arg-type]
-        return out
+    a = np.asarray(alphas, dtype=np.float64)
+    beta = np.asarray(betas, dtype=np.float64)
+    lo = np.asarray(lower, dtype=np.float64)
+    hi = np.array([np.inf if u is None else float(u) for u in upper])
 
-    low = min(alphas[i] + betas[i] * lower[i] for i in range(n))
-    high = max(alphas[i] + betas[i] * total for i in range(n))
-    for _ in range(200):
-        mid = 0.5 * (low + high)
-        if sum(sizes_at(mid)) < total:
-            low = mid
-        else:
-            high = mid
-    return round_to_total(sizes_at(high), total, lower, upper)
+    def sizes_at(common: np.ndarray) -> np.ndarray:
+        return np.clip((common[..., None] - a) / beta, lo, hi)
+
+    # sum_i b_i(T) is piecewise linear and non-decreasing in the common time T, with a corner where a
+    # rank leaves a bound: find the segment holding `total` among the corners, then interpolate
+    corners = np.unique(
+        np.concatenate([a + beta * lo, (a + beta * hi)[np.isfinite(hi)], [a.max() + 2.0 * beta.max() * total]])
+    )
+    filled = sizes_at(corners).sum(axis=-1)
+    j = int(np.searchsorted(filled, total))
+    if j == 0:
+        common = corners[0]
+    else:
+        t0, t1, f0, f1 = corners[j - 1], corners[j], filled[j - 1], filled[j]
+        common = t1 if f1 == f0 else t0 + (total - f0) * (t1 - t0) / (f1 - f0)
+    return round_to_total([float(v) for v in sizes_at(np.asarray(common))], total, lower, upper)
 
 
 def statistical_efficiency(global_batch: float, base_global_batch: float, noise_scale: float) -> float:

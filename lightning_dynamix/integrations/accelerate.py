@@ -65,6 +65,7 @@ from lightning_dynamix.loop import (
     IntervalMeter,
     IntervalRecord,
     build_controller,
+    check_world_size,
     interval_metrics,
     wants_noise_scale,
 )
@@ -155,7 +156,8 @@ class DynamixAccelerate:
         seed: seed of the global order; the same on every rank.
         drop_last: drop the samples of an incomplete last global batch instead of spreading them.
         controller: ``None`` (sizes change only through :meth:`set_batch_sizes`), a controller name
-            (``"static"``, ``"pid"``, ``"goodput"``) or an object with ``decide(state) -> Decision``,
+            (``"static"``, ``"pid"``, ``"goodput"``, ``"ppo"``: the policy that ships with
+            the package) or an object with ``decide(state) -> Decision``,
             ``state_dict()`` and ``load_state_dict()``.
         interval: optimizer steps between two decisions (>= 1).
         warmup_steps: optimizer steps before the first measured interval.
@@ -245,6 +247,7 @@ class DynamixAccelerate:
         self.maker: DecisionMaker | None = None
         if controller is not None:
             built, name = build_controller(controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling)
+            check_world_size(built, accelerator.num_processes)
             if gradient_noise_scale is None:
                 gradient_noise_scale = wants_noise_scale(built, name, self.lr_scaling)
             self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)

@@ -108,6 +108,31 @@ GLOBAL_FEATURES: tuple[str, ...] = (
 )
 
 
+def loss_slope(points: Sequence[tuple[int, float]]) -> float:
+    """Least-squares change of the loss per optimizer step over ``(step, loss)`` points; NaN for fewer than 2 steps."""
+    if len(points) < 2:
+        return NAN
+    xs = [float(s) for s, _ in points]
+    ys = [float(v) for _, v in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else NAN
+
+
+# the WorkerMetrics fields observation() reads
+_OBSERVED = (
+    "data_time",
+    "compute_time",
+    "sync_wait",
+    "step_time",
+    "comm_time",
+    "cpu_util",
+    "mem_util",
+    "gpu_util",
+    "gpu_mem_util",
+)
+
+
 def _finite(value: float, default: float = 0.0) -> float:
     return value if math.isfinite(value) else default
 
@@ -223,28 +248,31 @@ class ClusterState:
             unknown values (NaN: no GPU, no noise-scale estimate yet) encode as 0.
         """
         sizes = np.array(self.batch_sizes, dtype=np.float64)
-        compute = np.array([w.compute_time for w in self.workers], dtype=np.float64)
-        speeds = np.array([w.own_samples_per_s for w in self.workers], dtype=np.float64)
-        mean_compute = np.nanmean(compute) if np.isfinite(compute).any() else NAN
-        mean_speed = np.nanmean(speeds) if np.isfinite(speeds).any() else NAN
-        rows = []
-        for i, w in enumerate(self.workers):
-            step = w.step_time if w.step_time > 0 else NAN
-            rows.append(
+        column = {name: np.array([getattr(w, name) for w in self.workers], dtype=np.float64) for name in _OBSERVED}
+        compute = column["compute_time"]
+        own_step = column["step_time"] - column["sync_wait"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            speeds = np.where(own_step > 0, sizes / own_step, NAN)
+            mean_compute = np.nanmean(compute) if np.isfinite(compute).any() else NAN
+            mean_speed = np.nanmean(speeds) if np.isfinite(speeds).any() else NAN
+            step = np.where(column["step_time"] > 0, column["step_time"], NAN)
+            rows = np.stack(
                 [
-                    math.log2(sizes[i] / sizes.mean()),
-                    _finite(compute[i] / mean_compute - 1.0),
-                    _finite(speeds[i] / mean_speed - 1.0),
-                    _finite(w.data_time / step),
-                    _finite(w.sync_wait / step),
-                    _finite(w.comm_time / step),
-                    _finite(w.cpu_util / 100.0),
-                    _finite(w.mem_util / 100.0),
-                    _finite(w.gpu_util / 100.0),
-                    _finite(w.gpu_mem_util / 100.0),
-                    math.log2(sizes[i] / self.max_batch_size) if self.max_batch_size else 0.0,
-                ]
+                    np.log2(sizes / sizes.mean()),
+                    compute / mean_compute - 1.0,
+                    speeds / mean_speed - 1.0,
+                    column["data_time"] / step,
+                    column["sync_wait"] / step,
+                    column["comm_time"] / step,
+                    column["cpu_util"] / 100.0,
+                    column["mem_util"] / 100.0,
+                    column["gpu_util"] / 100.0,
+                    column["gpu_mem_util"] / 100.0,
+                    np.log2(sizes / self.max_batch_size) if self.max_batch_size else np.zeros_like(sizes),
+                ],
+                axis=1,
             )
+        rows = np.where(np.isfinite(rows), rows, 0.0)
         noise = self.gradient_noise_scale
         noise_known = math.isfinite(noise) and noise > 0
         ideal = self.ideal_throughput
@@ -261,6 +289,6 @@ class ClusterState:
             1.0 if any(math.isfinite(w.gpu_util) for w in self.workers) else 0.0,
         ]
         return {
-            "ranks": np.clip(np.asarray(rows, dtype=np.float32), -10.0, 10.0),
+            "ranks": np.clip(rows.astype(np.float32), -10.0, 10.0),
             "cluster": np.clip(np.asarray(cluster, dtype=np.float32), -10.0, 10.0),
         }

@@ -236,7 +236,8 @@ def run_all(workdir: Path, run_long: bool = False, log: Callable[[str], None] = 
                 continue
             if command in STAND_INS and not run_long:
                 run_command(STAND_INS[command], workdir)
-            output = run_command(command, workdir)
+            # make's targets live in the repository's Makefile, whatever the working directory
+            output = run_command(command, ROOT if command.startswith("make ") else workdir)
             if command in CHECKS:
                 CHECKS[command](output)
             log(f"ran      {command}  ({block.where}, {time.perf_counter() - began:.0f} s)")

@@ -1,0 +1,245 @@
+"""``dynamix train-policy``, ``dynamix simulate`` and ``dynamix bench policy``: the learned controller's commands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_dynamix.rl.train import EVALUATION_SEED, PRESETS, preset
+
+DEFAULT_CONTROLLERS = "static,pid,goodput,ppo"
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 4,8,16, got {text!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return sizes
+
+
+def _names(text: str) -> list[str]:
+    from lightning_dynamix.control import CONTROLLERS
+
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    unknown = [n for n in names if n not in CONTROLLERS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"controllers must be among {sorted(CONTROLLERS)}, got {text!r}")
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- train-policy
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="default", help="training configuration (default: default)"
+    )
+    parser.add_argument("--timesteps", type=int, default=None, help="decision intervals to train on (preset's)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of PPO, the scenarios and the evaluation")
+    parser.add_argument("--max-world-size", type=int, default=None, help="the most ranks the policy serves (64)")
+    parser.add_argument("--output", type=Path, default=Path("dynamix_runs/policy/policy.safetensors"))
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="CSV and TensorBoard logs (default: beside --output)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-evaluate", action="store_true", help="skip the held-out comparison")
+
+
+def run_train(args: argparse.Namespace) -> None:
+    from lightning_dynamix.rl.train import train_policy
+
+    overrides: dict[str, Any] = {"timesteps": args.timesteps, "seed": args.seed}
+    if args.max_world_size is not None:
+        if args.max_world_size < 1:
+            raise SystemExit(f"dynamix train-policy: --max-world-size must be >= 1, got {args.max_world_size}")
+        largest = args.max_world_size
+        base = PRESETS[args.preset]
+        sizes = sorted({n for n in base.scenario_space.world_sizes if n <= largest} | {largest})
+        evaluated = sorted({n for n in base.evaluation_world_sizes if n <= largest} | {largest})
+        overrides["max_world_size"] = largest
+        overrides["scenario_space"] = replace(base.scenario_space, world_sizes=tuple(sizes))
+        overrides["evaluation_world_sizes"] = tuple(evaluated)
+    try:
+        config = preset(args.preset, **overrides)
+    except ValueError as error:
+        raise SystemExit(f"dynamix train-policy: {error}") from None
+    log_dir = args.log_dir or args.output.parent / "logs"
+    print(f"training a policy ({args.preset}: {config.timesteps} intervals, up to {config.max_world_size} ranks)")
+    path, record = train_policy(
+        config,
+        args.output,
+        log_dir=log_dir,
+        progress_bar=not args.no_progress,
+        evaluate=not args.no_evaluate,
+        preset_name=args.preset,
+    )
+    print(f"trained in {record['training_seconds']:.0f} s; mean episode reward {record['mean_episode_reward']}")
+    if "evaluation" in record:
+        print(evaluation_table(record["evaluation"]))
+    print(f"policy written to {path}; logs in {log_dir}")
+    print(f"use it with DynamixCallback(controller=PPOController({str(path)!r})) or dynamix simulate --policy {path}")
+
+
+def evaluation_table(evaluation: dict[str, Any]) -> str:
+    """Median time to target relative to static, share reaching it and median final accuracy, per world size."""
+    lines = [
+        f"held-out scenarios: {evaluation['scenarios']}",
+        f"{'ranks':>6} {'controller':>10} {'time to target':>15} {'reached':>8} {'final acc':>9}",
+    ]
+    for size, per_controller in [*evaluation["by_world_size"].items(), ("all", evaluation["all"])]:
+        for name, values in per_controller.items():
+            ratio = values["median_time_to_target_vs_static"]
+            lines.append(
+                f"{size:>6} {name:>10} {'never' if ratio is None else f'{ratio:.2f} x static':>15}"
+                f" {values['reached_target']:>8.0%} {values['median_final_accuracy']:>9.3f}"
+            )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- simulate
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=_sizes, default=[32], help="world sizes, comma-separated (default 32)")
+    parser.add_argument(
+        "--controllers", type=_names, default=_names(DEFAULT_CONTROLLERS), help=f"default {DEFAULT_CONTROLLERS}"
+    )
+    parser.add_argument("--scenarios", type=int, default=8, help="held-out scenarios per world size (default 8)")
+    parser.add_argument("--seed", type=int, default=0, help="which held-out scenarios (default 0)")
+    parser.add_argument("--policy", default="default", help="policy file for ppo (default: the shipped one)")
+    parser.add_argument("--output-dir", type=Path, default=Path("dynamix_runs/simulate"))
+
+
+def run_simulate(args: argparse.Namespace) -> None:
+    from lightning_dynamix.rl.evaluate import compare, controller_factory, summarize
+    from lightning_dynamix.rl.simulator import ScenarioSpace
+
+    if args.scenarios < 1:
+        raise SystemExit(f"dynamix simulate: --scenarios must be >= 1, got {args.scenarios}")
+    factories = {name: controller_factory(name, args.policy if name == "ppo" else None) for name in args.controllers}
+    if "static" not in factories:
+        factories = {"static": controller_factory("static"), **factories}
+    space = ScenarioSpace()
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    report: dict[str, Any] = {
+        "scenarios_per_size": args.scenarios,
+        "seed": args.seed,
+        "policy": args.policy,
+        "by_nodes": {},
+    }
+    all_results: dict[int, list[dict[str, Any]]] = {}
+    for nodes in args.nodes:
+        rng = np.random.default_rng([EVALUATION_SEED + args.seed, nodes])
+        scenarios = [space.sample(rng, world_size=nodes) for _ in range(args.scenarios)]
+        started = time.perf_counter()
+        results = compare(scenarios, factories, seed=EVALUATION_SEED + args.seed)
+        summary = summarize(results)
+        all_results[nodes] = results
+        report["by_nodes"][str(nodes)] = {
+            "summary": {k: {m: (v if math.isfinite(v) else None) for m, v in d.items()} for k, d in summary.items()},
+            "runs": [{name: r.to_dict() for name, r in per.items()} for per in results],
+        }
+        print(f"{nodes} nodes, {args.scenarios} held-out scenarios ({time.perf_counter() - started:.0f} s):")
+        print(f"  {'controller':>10} {'time to target':>16} {'reached':>8} {'final accuracy':>15} {'throughput':>12}")
+        for name, values in summary.items():
+            ratio = values["median_time_to_target_vs_static"]
+            print(
+                f"  {name:>10} {('never' if not math.isfinite(ratio) else f'{ratio:.2f} x static'):>16}"
+                f" {values['reached_target']:>8.0%} {values['median_final_accuracy']:>15.3f}"
+                f" {values['median_throughput_vs_static']:>9.2f} x"
+            )
+    (args.output_dir / "simulate.json").write_text(json.dumps(report, indent=1, default=_json_default))
+    plot = _plot(all_results, args.output_dir / "simulate.png")
+    print(f"results in {args.output_dir / 'simulate.json'}; plot {plot}")
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    raise TypeError(type(value).__name__)
+
+
+def _plot(all_results: dict[int, list[dict[str, Any]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(all_results.values()))[0])
+    sizes = sorted(all_results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        medians, accuracies = [], []
+        for n in sizes:
+            ratios = []
+            for per in all_results[n]:
+                base, mine = per["static"].time_to_target, per[name].time_to_target
+                ratios.append(mine / base if math.isfinite(base) and math.isfinite(mine) else np.nan)
+            medians.append(np.nanmedian(ratios) if np.isfinite(ratios).any() else np.nan)
+            accuracies.append(statistics.median(per[name].final_accuracy for per in all_results[n]))
+            xs = np.full(len(ratios), sizes.index(n) + (i - (len(names) - 1) / 2) * width)
+            left.scatter(xs, ratios, s=8, alpha=0.4, color=f"C{i}")
+        positions = np.arange(len(sizes)) + (i - (len(names) - 1) / 2) * width
+        left.bar(positions, medians, width=width, color=f"C{i}", alpha=0.6, label=name)
+        right.plot(sizes, accuracies, marker="o", color=f"C{i}", label=name)
+    left.axhline(1.0, color="grey", lw=0.8)
+    left.set_xticks(range(len(sizes)), [str(n) for n in sizes])
+    left.set_xlabel("nodes")
+    left.set_ylabel("time to target / static's (median bar, dots: scenarios)")
+    left.set_title("time to target accuracy (lower is better)")
+    left.legend()
+    right.set_xscale("log", base=2)
+    right.set_xticks(sizes, [str(n) for n in sizes])
+    right.set_xlabel("nodes")
+    right.set_ylabel("median final accuracy")
+    right.set_title("final accuracy after the same number of samples")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- bench policy
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="default", help="policy file (default: the shipped one)")
+    parser.add_argument("--world-sizes", type=_sizes, default=[1, 8, 64], help="default 1,8,64")
+    parser.add_argument("--decisions", type=int, default=500, help="timed decisions per world size (default 500)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """Time PPOController.decide (encoding, network, adjustment) on simulated states, one thread."""
+    import torch
+
+    from lightning_dynamix.control.ppo import PPOController
+    from lightning_dynamix.rl.simulator import ClusterSimulator, ScenarioSpace
+
+    torch.set_num_threads(1)
+    controller = PPOController(args.policy)
+    results = {}
+    print(f"PPOController.decide, {args.decisions} decisions per size, 1 thread")
+    for n in args.world_sizes:
+        scenario = ScenarioSpace().sample(np.random.default_rng(n), world_size=n)
+        simulator = ClusterSimulator(scenario, 0)
+        states = [simulator.reset()]
+        for _ in range(19):
+            states.append(simulator.run_interval(controller.decide(states[-1]).batch_sizes)[0])
+        times = []
+        for i in range(args.decisions):
+            began = time.perf_counter()
+            controller.decide(states[i % len(states)])
+            times.append(time.perf_counter() - began)
+        median, p99 = statistics.median(times), float(np.percentile(times, 99))
+        results[str(n)] = {"median_ms": median * 1e3, "p99_ms": p99 * 1e3}
+        print(f"  {n:>3} ranks: median {median * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms")
+    if args.output is not None:
+        args.output.write_text(json.dumps(results, indent=1))

@@ -1,0 +1,143 @@
+"""DYNAMIX: a learned policy decides every rank's batch size from the cluster's signals.
+
+:class:`PPOController` runs a policy trained with PPO in the cluster simulator
+(:mod:`lightning_dynamix.rl`): at each decision it encodes the :class:`ClusterState` with
+:meth:`ClusterState.observation` (the encoding the policy was trained on), the rank-shared network
+scores each rank, and each rank's batch size moves by the chosen adjustment (-25%, -10%, keep,
++10%, +25%), within the bounds. The policy chooses the global batch too: it reads the gradient
+noise scale, so it trades throughput against statistical efficiency like Pollux, and balances
+unequal ranks like the PID controller, without a model of the system.
+
+Safe fallbacks, so a policy never crashes a training run: a state with more ranks than the policy
+was trained for, or an observation that is not finite, keeps the current sizes (with one warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_dynamix.control.allocation import resolve_bounds, validate_bound, validate_bound_pair
+from lightning_dynamix.control.base import Decision
+from lightning_dynamix.metrics.state import ClusterState
+from lightning_dynamix.rl.files import PolicyFile, load_policy
+from lightning_dynamix.rl.policy import apply_adjustments
+
+log = logging.getLogger(__name__)
+
+
+class PPOController:
+    """Per-rank batch sizes from a trained policy file.
+
+    Args:
+        policy: a policy file written by ``dynamix train-policy`` (a path), ``"default"`` for the
+            policy that ships with the package, or a loaded :class:`~lightning_dynamix.rl.files.PolicyFile`.
+        deterministic: take each rank's most likely action (the default); ``False`` samples
+            actions (seeded by ``seed``), which explores.
+        min_batch_size: the smallest size any rank may be given, or one per rank.
+        max_batch_size: the largest size any rank may be given, or one per rank; ``None`` for the
+            state's bound only. Give the ranks' memory limits here: the policy cannot know them.
+        seed: seeds sampled actions.
+
+    Raises:
+        FileNotFoundError: when the policy file does not exist.
+        PolicyFileError: (a ``ValueError``) for a corrupt file or one of another format or spec.
+        ValueError: for bad bounds.
+    """
+
+    needs_gradient_noise_scale = True
+
+    def __init__(
+        self,
+        policy: str | Path | PolicyFile = "default",
+        deterministic: bool = True,
+        min_batch_size: int | tuple[int, ...] = 1,
+        max_batch_size: int | tuple[int, ...] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"`deterministic` must be True or False, got {deterministic!r}")
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
+        validate_bound_pair(self.min_batch_size, self.max_batch_size)
+        if isinstance(policy, PolicyFile):
+            self.policy = policy
+        elif isinstance(policy, str | Path):
+            self.policy = load_policy(policy)
+        else:
+            raise ValueError(
+                "`policy` must be a policy file path, 'default' or a PolicyFile,"
+                f" got {type(policy).__name__}: {policy!r}"
+            )
+        self.deterministic = deterministic
+        self.seed = seed
+        self._generator = torch.Generator().manual_seed(seed)
+        self._warned: set[str] = set()
+        self.decisions = 0
+
+    @property
+    def max_world_size(self) -> int:
+        """The most ranks the policy was trained for."""
+        return self.policy.max_world_size
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise before training when the job has more ranks than the policy was trained for."""
+        if world_size > self.max_world_size:
+            where = self.policy.path or "the policy given"
+            raise ValueError(
+                f"PPOController: the job has {world_size} ranks but the policy ({where}) was trained for at most"
+                f" {self.max_world_size}; train one for this size with `dynamix train-policy --max-world-size"
+                f" {world_size}` or use controller='pid' or 'goodput'"
+            )
+
+    def decide(self, state: ClusterState) -> Decision:
+        """The policy's sizes for ``state``; the current sizes where the policy cannot decide (see the module)."""
+        current = state.batch_sizes
+        if state.world_size > self.max_world_size:
+            self._warn_once(
+                "world_size",
+                "PPOController: %d ranks, more than the %d the policy was trained for; keeping the current sizes",
+                state.world_size,
+                self.max_world_size,
+            )
+            return Decision(current)
+        observation = state.observation()
+        if not all(np.isfinite(v).all() for v in observation.values()):
+            message = "PPOController: the observation at step %d is not finite; keeping the sizes"
+            self._warn_once("finite", message, state.step)
+            return Decision(current)
+        actions = self.act(observation)
+        lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
+        self.decisions += 1
+        return Decision(apply_adjustments(current, actions, lower, upper))
+
+    @torch.no_grad()
+    def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
+        """One action index per rank for an (unpadded) observation."""
+        if self.deterministic:
+            return self.policy.network.act(observation)
+        ranks = torch.as_tensor(observation["ranks"]).unsqueeze(0)
+        cluster = torch.as_tensor(observation["cluster"]).unsqueeze(0)
+        logits = self.policy.network.logits(ranks, cluster, torch.ones(ranks.shape[:2]))[0]
+        return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self._generator).squeeze(-1).numpy()
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message + " (shown once)", *args)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "generator": self._generator.get_state().tolist(),
+            "warned": sorted(self._warned),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.decisions = int(state_dict["decisions"])
+        self._generator.set_state(torch.tensor(state_dict["generator"], dtype=torch.uint8))
+        self._warned = set(state_dict.get("warned", []))

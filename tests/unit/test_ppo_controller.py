@@ -1,0 +1,204 @@
+"""Policy files and PPOController: what a real job loads and runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lightning_dynamix.control import PPOController, make_controller
+from lightning_dynamix.metrics import ClusterState, WorkerMetrics
+from lightning_dynamix.rl import ClusterSimulator, with_world_size
+from lightning_dynamix.rl.files import (
+    FORMAT_VERSION,
+    PolicyFile,
+    PolicyFileError,
+    default_policy_path,
+    load_policy,
+    save_policy,
+)
+from lightning_dynamix.rl.policy import RankPolicyNetwork
+from tests.unit.test_rl_simulator import two_ranks
+
+
+@pytest.fixture
+def policy_path(tmp_path):
+    torch.manual_seed(0)
+    network = RankPolicyNetwork(hidden=16, layers=1)
+    return save_policy(PolicyFile(network, max_world_size=8, training={"note": "test"}), tmp_path / "p.safetensors")
+
+
+def rewrite_metadata(path, change):
+    """Write a copy of the policy file at ``path`` with its metadata changed by ``change``."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads(handle.metadata()["lightning_dynamix"])
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}  # noqa: SIM118
+    change(meta)
+    out = path.with_name("changed.safetensors")
+    save_file(tensors, str(out), metadata={"lightning_dynamix": json.dumps(meta)})
+    return out
+
+
+def test_a_policy_file_round_trips_with_the_same_decisions(policy_path):
+    loaded = load_policy(policy_path)
+    assert loaded.max_world_size == 8
+    assert loaded.training == {"note": "test"}
+    torch.manual_seed(0)
+    original = RankPolicyNetwork(hidden=16, layers=1)
+    for name, tensor in original.state_dict().items():
+        torch.testing.assert_close(loaded.network.state_dict()[name], tensor)
+
+
+def test_loading_a_policy_never_unpickles(policy_path, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle was used")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    controller = PPOController(policy_path)
+    state = ClusterSimulator(two_ranks(), 0).reset()
+    assert len(controller.decide(state).batch_sizes) == 2
+
+
+def test_a_missing_file_says_where_it_looked(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.safetensors' does not exist"):
+        PPOController(tmp_path / "nowhere.safetensors")
+
+
+def test_a_corrupt_file_is_refused_clearly(policy_path):
+    data = policy_path.read_bytes()
+    policy_path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(PolicyFileError, match="is not a readable policy file"):
+        load_policy(policy_path)
+
+
+def test_a_pickle_is_not_a_policy_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(pickle.dumps({"weights": [1, 2, 3]}))
+    with pytest.raises(PolicyFileError, match="is not a readable policy file"):
+        load_policy(path)
+
+
+def test_a_file_of_another_format_version_is_refused(policy_path):
+    path = rewrite_metadata(policy_path, lambda m: m.update(format_version=FORMAT_VERSION + 1))
+    with pytest.raises(PolicyFileError, match=f"format version {FORMAT_VERSION + 1}.*reads version {FORMAT_VERSION}"):
+        load_policy(path)
+
+
+def test_a_file_trained_on_another_observation_is_refused(policy_path):
+    def drop_feature(meta):
+        meta["observation"]["local_features"] = meta["observation"]["local_features"][:-1]
+
+    with pytest.raises(PolicyFileError, match="was trained on another observation"):
+        load_policy(rewrite_metadata(policy_path, drop_feature))
+
+
+def test_a_file_with_other_actions_is_refused(policy_path):
+    path = rewrite_metadata(policy_path, lambda m: m["action"].update(adjustments=[-0.5, 0.0, 0.5]))
+    with pytest.raises(PolicyFileError, match="chooses among other actions"):
+        load_policy(path)
+
+
+def test_tensors_that_do_not_fit_the_network_are_refused(policy_path):
+    path = rewrite_metadata(policy_path, lambda m: m["network"].update(hidden=32))
+    with pytest.raises(PolicyFileError, match="do not fit a RankPolicyNetwork"):
+        load_policy(path)
+
+
+def test_a_safetensors_file_without_policy_metadata_is_refused(tmp_path):
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, str(path))
+    with pytest.raises(PolicyFileError, match="without lightning-dynamix policy metadata"):
+        load_policy(path)
+
+
+def test_the_default_policy_ships_with_the_package():
+    assert default_policy_path().is_file()
+    controller = make_controller("ppo")
+    assert isinstance(controller, PPOController)
+    assert controller.max_world_size == 64
+    assert controller.policy.training["preset"] == "default"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8, 64])
+def test_the_default_policy_decides_at_any_world_size_within_bounds(world_size):
+    controller = PPOController("default", min_batch_size=8, max_batch_size=200)
+    scenario = with_world_size(two_ranks(), world_size)
+    simulator = ClusterSimulator(scenario, 0)
+    state = simulator.reset()
+    for _ in range(5):
+        decision = controller.decide(state)
+        assert len(decision.batch_sizes) == world_size
+        assert all(8 <= b <= 200 for b in decision.batch_sizes)
+        state, _ = simulator.run_interval(decision.batch_sizes)
+
+
+def test_per_rank_bounds_hold_a_rank_at_its_memory_limit(policy_path):
+    controller = PPOController(policy_path, max_batch_size=(1000, 64))
+    state = ClusterSimulator(two_ranks(), 0).reset()
+    for _ in range(20):
+        decision = controller.decide(state)
+        assert decision.batch_sizes[1] <= 64
+        state = replace(
+            state, workers=tuple(replace(w, batch_size=b) for w, b in zip(state.workers, decision.batch_sizes))
+        )
+
+
+def test_more_ranks_than_the_policy_knows_fail_before_training_and_hold_the_sizes_if_met_later(policy_path, caplog):
+    controller = PPOController(policy_path)  # trained for at most 8 ranks
+    with pytest.raises(ValueError, match=r"the job has 9 ranks but the policy .* was trained for at most 8"):
+        controller.check_world_size(9)
+    state = ClusterSimulator(with_world_size(two_ranks(), 9), 0).reset()
+    with caplog.at_level(logging.WARNING):
+        assert controller.decide(state).batch_sizes == state.batch_sizes
+        controller.decide(state)
+    assert sum("more than the 8 the policy was trained for" in r.message for r in caplog.records) == 1
+
+
+def test_unknown_measurements_encode_as_zero_and_the_policy_still_decides(policy_path):
+    workers = tuple(WorkerMetrics(r, 32, data_time=0.0, compute_time=0.1, step_time=0.2) for r in range(2))
+    state = ClusterState(workers, loss=float("nan"), gradient_noise_scale=float("nan"))
+    decision = PPOController(policy_path).decide(state)
+    assert len(decision.batch_sizes) == 2
+
+
+def test_sampled_actions_are_seeded_and_resume_identically(policy_path):
+    state = ClusterSimulator(two_ranks(), 0).reset()
+    a = PPOController(policy_path, deterministic=False, seed=1)
+    for _ in range(3):
+        a.decide(state)
+    saved = a.state_dict()
+    later = [a.decide(state).batch_sizes for _ in range(5)]
+    b = PPOController(policy_path, deterministic=False, seed=99)
+    b.load_state_dict(saved)
+    assert [b.decide(state).batch_sizes for _ in range(5)] == later
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"policy": 3}, "`policy` must be a policy file path, 'default' or a PolicyFile"),
+        ({"deterministic": "yes"}, "`deterministic` must be True or False"),
+        ({"max_batch_size": 0}, "`max_batch_size` must be"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PPOController(**kwargs)
+
+
+def test_observations_are_finite_for_the_simulators_states():
+    state = ClusterSimulator(with_world_size(two_ranks(), 64), 0).reset()
+    obs = state.observation()
+    assert obs["ranks"].shape[0] == 64
+    assert all(np.isfinite(v).all() for v in obs.values())

@@ -1,0 +1,82 @@
+"""Training a policy with stable-baselines3's PPO: it learns, and its file is what the controller runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from stable_baselines3 import PPO
+
+from lightning_dynamix.control import PPOController
+from lightning_dynamix.rl import ClusterSimulator, Scenario, ScenarioSpace
+from lightning_dynamix.rl.env import DynamixEnv
+from lightning_dynamix.rl.files import load_policy
+from lightning_dynamix.rl.policy import KEEP
+from lightning_dynamix.rl.sb3 import SharedRankPolicy
+from lightning_dynamix.rl.train import preset, train_policy
+
+# four ranks, two of them 3x slower: equal sizes waste half of the fast ranks' time
+SCENARIO = Scenario(
+    world_size=4,
+    compute_per_sample=(1e-3, 1e-3, 3e-3, 3e-3),
+    step_overhead=(2e-3,) * 4,
+    data_per_sample=(1e-4,) * 4,
+    memory_limit=(1024,) * 4,
+    gradient_bytes=4e6,
+    bandwidth=1e9,
+    initial_batch_size=64,
+    noise_scale_start=2048.0,
+    noise_scale_end=8192.0,
+    drift=0.0,
+)
+
+
+def mean_reward(act, episodes: int = 2) -> float:
+    env = DynamixEnv(SCENARIO, max_world_size=4, episode_intervals=16)
+    rewards = []
+    for episode in range(episodes):
+        obs, _ = env.reset(seed=100 + episode)
+        for _ in range(16):
+            obs, reward, _, _, _ = env.step(act(obs, env))
+            rewards.append(reward)
+    return float(np.mean(rewards))
+
+
+def test_a_short_ppo_training_run_beats_random_and_unchanged_sizes_on_a_fixed_scenario():
+    torch.set_num_threads(1)
+    env = DynamixEnv(SCENARIO, max_world_size=4, episode_intervals=16, seed=0)
+    model = PPO(SharedRankPolicy, env, n_steps=256, batch_size=64, n_epochs=4, gamma=0.9, seed=0, device="cpu")
+    model.learn(6_000)
+    trained = mean_reward(lambda obs, env: model.predict(obs, deterministic=True)[0])
+    rng = np.random.default_rng(0)
+    random = mean_reward(lambda obs, env: rng.integers(0, 5, 4))
+    keep = mean_reward(lambda obs, env: np.full(4, KEEP))
+    print(f"mean reward: trained {trained:.3f}, random {random:.3f}, unchanged sizes {keep:.3f}")
+    assert trained > random + 0.1, (trained, random, keep)
+    assert trained > keep + 0.05, (trained, random, keep)
+
+
+def test_train_policy_writes_a_file_the_controller_and_the_simulator_both_run(tmp_path):
+    path, _ = train_policy(preset("tiny"), tmp_path / "tiny.safetensors", log_dir=tmp_path / "logs", preset_name="tiny")
+    assert (tmp_path / "logs" / "progress.csv").read_text().count("\n") >= 2
+    assert list((tmp_path / "logs").glob("events.out.tfevents.*"))
+    loaded = load_policy(path)
+    assert loaded.training["preset"] == "tiny"
+    assert loaded.training["timesteps"] >= 1024
+    assert loaded.training["config"]["max_world_size"] == 64
+    evaluation = loaded.training["evaluation"]
+    assert set(evaluation["all"]) == {"static", "pid", "goodput", "ppo"}
+    controller = PPOController(path)
+    simulator = ClusterSimulator(SCENARIO, 0)
+    state = simulator.reset()
+    decision = controller.decide(state)
+    assert len(decision.batch_sizes) == 4
+
+
+def test_a_configuration_beyond_the_policys_size_is_refused():
+    with pytest.raises(ValueError, match="exceed `max_world_size`=8"):
+        preset("tiny", max_world_size=8, evaluation_world_sizes=(16,), scenario_space=ScenarioSpace(world_sizes=(2, 4)))
+    with pytest.raises(ValueError, match=r"`scenario_space.world_sizes` reach 64 ranks, above `max_world_size`=8"):
+        preset("tiny", max_world_size=8)
+    with pytest.raises(ValueError, match="`preset` must be one of"):
+        preset("huge")
