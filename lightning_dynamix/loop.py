@@ -201,12 +201,21 @@ def build_controller(
     min_batch_size: int | None,
     max_batch_size: int | None,
     lr_scaling: str,
+    finetune: bool = False,
 ) -> tuple[BatchController, str]:
     """A controller from a name (with its arguments and the bounds) or an object; returns it and its name.
 
+    ``finetune`` asks the ``"ppo"`` controller to keep training its policy on the job's decisions.
+
     Raises:
-        ValueError: for an unknown name, or ``controller_kwargs`` with an object.
+        ValueError: for an unknown name, ``controller_kwargs`` with an object, or ``finetune``
+            with a controller other than ``"ppo"``.
     """
+    if finetune is not False and (not isinstance(finetune, bool) or controller != "ppo"):
+        raise ValueError(
+            f"`finetune` must be True or False and needs controller='ppo' (a learned policy), got finetune={finetune!r}"
+            f" with controller={controller!r}"
+        )
     if isinstance(controller, str):
         if controller not in CONTROLLERS:
             raise ValueError(
@@ -218,6 +227,8 @@ def build_controller(
             kwargs.update({k: v for k, v in bounds.items() if v is not None and k not in kwargs})
         if controller in ("pid", "goodput"):
             kwargs.setdefault("lr_scaling", lr_scaling)
+        if finetune:
+            kwargs["finetune"] = True
         return make_controller(controller, **kwargs), controller
     if isinstance(controller, BatchController):
         if controller_kwargs:

@@ -45,6 +45,8 @@ class DynamixCallback(ClusterMetricsMonitor):
             the scaling rule uses it (``"goodput"``, ``"ppo"``, ``"adascale"``).
         noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
         log_per_rank: log each rank's batch size, times and throughput.
+        finetune: with ``controller="ppo"``, keep training the policy on this job's own decisions
+            (PPO updates on rank 0); the updated policy is saved with the checkpoints.
 
     Raises:
         ValueError: for an unknown controller name or scaling rule, an interval < 1, bounds that
@@ -69,12 +71,13 @@ class DynamixCallback(ClusterMetricsMonitor):
         gradient_noise_scale: bool | None = None,
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
+        finetune: bool = False,
     ) -> None:
         require_optional_int("min_batch_size", min_batch_size, 1)
         require_optional_int("max_batch_size", max_batch_size, min_batch_size or 1, "min_batch_size")
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         self.controller, self.controller_name = build_controller(
-            controller, controller_kwargs, min_batch_size, max_batch_size, self.lr_scaling
+            controller, controller_kwargs, min_batch_size, max_batch_size, self.lr_scaling, finetune
         )
         if gradient_noise_scale is None:
             gradient_noise_scale = wants_noise_scale(self.controller, self.controller_name, self.lr_scaling)

@@ -42,6 +42,11 @@ class PPOController:
         max_batch_size: the largest size any rank may be given, or one per rank; ``None`` for the
             state's bound only. Give the ranks' memory limits here: the policy cannot know them.
         seed: seeds sampled actions.
+        finetune: keep training the policy on this job's own decisions (PPO updates on rank 0,
+            see :mod:`lightning_dynamix.rl.finetune`); adjustments are then sampled, not the most
+            likely ones, and the updated weights are saved with the checkpoint.
+        finetune_kwargs: arguments of :class:`~lightning_dynamix.rl.finetune.OnlineFinetuner`
+            (``n_steps``, ``learning_rate``, ``n_epochs``, ``batch_size``, ``gamma``, ``clip_range``).
 
     Raises:
         FileNotFoundError: when the policy file does not exist.
@@ -58,9 +63,15 @@ class PPOController:
         min_batch_size: int | tuple[int, ...] = 1,
         max_batch_size: int | tuple[int, ...] | None = None,
         seed: int = 0,
+        finetune: bool = False,
+        finetune_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(deterministic, bool):
             raise ValueError(f"`deterministic` must be True or False, got {deterministic!r}")
+        if not isinstance(finetune, bool):
+            raise ValueError(f"`finetune` must be True or False, got {finetune!r}")
+        if finetune_kwargs and not finetune:
+            raise ValueError(f"`finetune_kwargs` {finetune_kwargs!r} given without finetune=True")
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
@@ -78,6 +89,17 @@ class PPOController:
         self._generator = torch.Generator().manual_seed(seed)
         self._warned: set[str] = set()
         self.decisions = 0
+        self.base_global_batch: int | None = None
+        self.finetuner = None
+        if finetune:
+            from lightning_dynamix.rl.finetune import OnlineFinetuner
+
+            try:
+                self.finetuner = OnlineFinetuner(
+                    self.policy.network, self.policy.max_world_size, seed=seed, **(finetune_kwargs or {})
+                )
+            except TypeError as error:
+                raise ValueError(f"bad `finetune_kwargs` {finetune_kwargs!r}: {error}") from None
 
     @property
     def max_world_size(self) -> int:
@@ -110,7 +132,12 @@ class PPOController:
             message = "PPOController: the observation at step %d is not finite; keeping the sizes"
             self._warn_once("finite", message, state.step)
             return Decision(current)
-        actions = self.act(observation)
+        if self.base_global_batch is None:
+            self.base_global_batch = state.global_batch
+        if self.finetuner is not None:
+            actions = self.finetuner.act(state, self.base_global_batch)
+        else:
+            actions = self.act(observation)
         lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
         self.decisions += 1
         return Decision(apply_adjustments(current, actions, lower, upper))
@@ -131,13 +158,20 @@ class PPOController:
             log.warning(message + " (shown once)", *args)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "decisions": self.decisions,
             "generator": self._generator.get_state().tolist(),
             "warned": sorted(self._warned),
+            "base_global_batch": self.base_global_batch,
         }
+        if self.finetuner is not None:
+            state["finetune"] = self.finetuner.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.decisions = int(state_dict["decisions"])
         self._generator.set_state(torch.tensor(state_dict["generator"], dtype=torch.uint8))
         self._warned = set(state_dict.get("warned", []))
+        self.base_global_batch = state_dict.get("base_global_batch")
+        if self.finetuner is not None and "finetune" in state_dict:
+            self.finetuner.load_state_dict(state_dict["finetune"])

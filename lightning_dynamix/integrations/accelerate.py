@@ -168,6 +168,8 @@ class DynamixAccelerate:
             learning-rate rule reads it.
         noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
         log_per_rank: log each rank's batch size, times and throughput to the trackers.
+        finetune: with ``controller="ppo"``, keep training the policy on this job's own decisions
+            (PPO updates on the main process); the updated policy is saved by ``save_state``.
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
@@ -194,6 +196,7 @@ class DynamixAccelerate:
         gradient_noise_scale: bool | None = None,
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
+        finetune: bool = False,
     ) -> None:
         from accelerate import Accelerator
 
@@ -246,14 +249,18 @@ class DynamixAccelerate:
         self.meter: IntervalMeter | None = None
         self.maker: DecisionMaker | None = None
         if controller is not None:
-            built, name = build_controller(controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling)
+            built, name = build_controller(
+                controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling, finetune
+            )
             check_world_size(built, accelerator.num_processes)
             if gradient_noise_scale is None:
                 gradient_noise_scale = wants_noise_scale(built, name, self.lr_scaling)
             self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
             self.maker = DecisionMaker(built, name, self.lr_scaling, "DynamixAccelerate")
-        elif controller_kwargs:
-            raise ValueError(f"`controller_kwargs` {controller_kwargs!r} given without a `controller`")
+        elif controller_kwargs or finetune:
+            raise ValueError(
+                f"`controller_kwargs` {controller_kwargs!r} or finetune={finetune!r} given without a `controller`"
+            )
 
     @property
     def batch_sizes(self) -> BatchSizes | None:

@@ -59,6 +59,12 @@ class RewardWeights:
             require_number(name, getattr(self, name), 0.0)
 
 
+def oscillation(change: np.ndarray, previous_change: np.ndarray) -> float:
+    """Mean over ranks of ``|change|`` where a rank's log2 change reverses its previous one."""
+    reversed_change = np.sign(change) * np.sign(previous_change) < 0
+    return float(np.abs(change)[reversed_change].sum()) / len(change)
+
+
 def interval_reward(
     scenario: Scenario,
     outcome: IntervalOutcome,
@@ -70,8 +76,6 @@ def interval_reward(
     """The reward of one interval, its terms, and each rank's log2 change (the next call's ``previous_change``)."""
     n = scenario.world_size
     change = np.log2(np.asarray(sizes, dtype=np.float64) / np.asarray(previous_sizes, dtype=np.float64))
-    reversed_change = np.sign(change) * np.sign(previous_change) < 0
-    oscillation = float(np.abs(change)[reversed_change].sum()) / n
     memory = len(outcome.out_of_memory) / n
     global_batch = float(sum(outcome.batch_sizes))
     excess = max(0.0, math.log2(global_batch / outcome.noise_scale))
@@ -80,7 +84,7 @@ def interval_reward(
     goodput = outcome.goodput / outcome.reference_goodput
     terms = {
         "goodput": goodput,
-        "oscillation": -weights.oscillation * oscillation,
+        "oscillation": -weights.oscillation * oscillation(change, previous_change),
         "memory": -weights.memory * memory,
         "generalization": -weights.generalization * generalization,
     }

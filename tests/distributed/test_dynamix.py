@@ -7,6 +7,7 @@ import json
 import math
 import statistics
 
+import numpy as np
 import pytest
 
 from tests.distributed.conftest import run_job
@@ -66,3 +67,61 @@ def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_pa
     assert before["lr_scale"] == after["lr_scale"] == pytest.approx(0.75)
     assert before["lr"] == after["lr"] == pytest.approx(0.05 * 0.75)
     assert result["history"][0]["step"] == 35  # decisions continue on the same step grid
+
+
+def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_path):
+    from lightning_dynamix.control import PPOController
+    from lightning_dynamix.rl import ClusterSimulator, ScenarioSpace
+    from lightning_dynamix.rl.files import default_policy_path
+
+    policy = default_policy_path()
+    run_job("dynamix_job.py", "ppo", tmp_path, policy, cwd=tmp_path)
+    history = json.loads((tmp_path / "ppo.json").read_text())["history"]
+    assert len(history) >= 8
+    for record in history:
+        for before, after in zip(record["sizes"], record["decision"]):
+            # each rank moved by one of the policy's adjustments (-25%, -10%, 0, +10%, +25%), rounded
+            assert 0.75 * before - 1 <= after <= 1.25 * before + 1, record
+    # rank 1 is emulated 3x slower: the policy moved samples from it to rank 0
+    final = history[-1]["decision"]
+    assert final[0] > 1.5 * final[1], [r["decision"] for r in history]
+    # the very same file decides for a simulated cluster
+    scenario = ScenarioSpace().sample(np.random.default_rng(0), world_size=2)
+    state = ClusterSimulator(scenario, 0).reset()
+    assert len(PPOController(policy).decide(state).batch_sizes) == 2
+
+
+def test_a_policy_trained_for_fewer_ranks_than_the_job_fails_before_training(tmp_path):
+    from lightning_dynamix.rl.files import PolicyFile, save_policy
+    from lightning_dynamix.rl.policy import RankPolicyNetwork
+
+    path = save_policy(
+        PolicyFile(RankPolicyNetwork(hidden=8, layers=1), max_world_size=1), tmp_path / "one.safetensors"
+    )
+    proc = run_job("dynamix_job.py", "ppo", tmp_path, path, cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    assert "the job has 2 ranks but the policy" in proc.stderr
+    assert "was trained for at most 1" in proc.stderr
+    assert not (tmp_path / "ppo.json").exists()
+
+
+def test_finetuning_in_a_real_run_updates_the_policy_and_checkpoints_it(tmp_path):
+    import torch
+
+    from lightning_dynamix.control import PPOController
+    from lightning_dynamix.rl.files import default_policy_path, load_policy
+
+    policy = default_policy_path()
+    run_job("dynamix_job.py", "finetune", tmp_path, policy, cwd=tmp_path)
+    # decisions at steps 4, 6, ..., 40: 18 rewarded transitions, 4 PPO updates of 4
+    assert json.loads((tmp_path / "finetune.json").read_text())["updates"] == 4
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    (callback_state,) = [v for k, v in checkpoint["callbacks"].items() if "DynamixCallback" in k]
+    saved = callback_state["controller"]["finetune"]
+    original = load_policy(policy).network.state_dict()
+    assert any(not torch.equal(saved["network"][k], original[k]) for k in original)
+    # a new job resumes from the fine-tuned weights
+    resumed = PPOController(policy, finetune=True)
+    resumed.load_state_dict(callback_state["controller"])
+    for name, tensor in resumed.policy.network.state_dict().items():
+        torch.testing.assert_close(tensor, saved["network"][name])

@@ -35,6 +35,8 @@ LONG: dict[str, str] = {
     "dynamix demo": "about 90 s; tests/cli/test_cli.py runs a 1-epoch demo",
     "dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
     ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
+    ".venv/bin/dynamix train-policy --preset default": "about 30 minutes; the docs train a tiny policy",
+    ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
 }
 
 # what a command needs from a long one, produced by a short run of it first
@@ -219,6 +221,12 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dynamix report dynamix_runs/callback": _contains("2 ranks", "dynamix_report.png"),
     "dynamix report dynamix_runs/cli": _contains("2 ranks", "dynamix_report.png"),
     "dynamix report dynamix_runs/demo/logs": _contains("logs/pid/metrics.csv", "logs/static/metrics.csv"),
+    "dynamix simulate --nodes 8 --scenarios 2 --controllers static,pid,goodput,ppo": _contains(
+        "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png"
+    ),
+    "dynamix train-policy --preset tiny --output dynamix_runs/policy/tiny.safetensors": _contains(
+        "policy written to dynamix_runs/policy/tiny.safetensors", "held-out scenarios: 1"
+    ),
 }
 
 

@@ -202,3 +202,34 @@ def test_observations_are_finite_for_the_simulators_states():
     obs = state.observation()
     assert obs["ranks"].shape[0] == 64
     assert all(np.isfinite(v).all() for v in obs.values())
+
+
+def test_finetuning_updates_the_policy_from_the_jobs_own_decisions_and_resumes(policy_path):
+    controller = PPOController(policy_path, finetune=True, finetune_kwargs={"n_steps": 4, "batch_size": 4})
+    before = {k: v.clone() for k, v in load_policy(policy_path).network.state_dict().items()}
+    simulator = ClusterSimulator(two_ranks(), 0)
+    state = simulator.reset()
+    for _ in range(13):  # 12 rewarded transitions: 3 PPO updates of 4
+        decision = controller.decide(state)
+        state, _ = simulator.run_interval(decision.batch_sizes)
+    assert controller.finetuner.updates == 3
+    after = controller.policy.network.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    saved = controller.state_dict()
+    resumed = PPOController(policy_path, finetune=True, finetune_kwargs={"n_steps": 4, "batch_size": 4})
+    resumed.load_state_dict(saved)
+    for name, tensor in resumed.policy.network.state_dict().items():
+        torch.testing.assert_close(tensor, after[name])
+    assert resumed.finetuner.updates == 3
+    assert resumed.base_global_batch == 128
+
+
+def test_finetuning_needs_the_ppo_controller():
+    from lightning_dynamix import DynamixCallback
+
+    with pytest.raises(ValueError, match="needs controller='ppo'"):
+        DynamixCallback(controller="pid", finetune=True)
+    with pytest.raises(ValueError, match="given without finetune=True"):
+        PPOController(finetune_kwargs={"n_steps": 4})
+    with pytest.raises(ValueError, match="must be <= `n_steps`"):
+        PPOController(finetune=True, finetune_kwargs={"n_steps": 4, "batch_size": 8})

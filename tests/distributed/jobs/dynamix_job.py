@@ -2,6 +2,8 @@
 
 Usage: python dynamix_job.py balance OUT_DIR
        python dynamix_job.py resume OUT_DIR
+       python dynamix_job.py ppo OUT_DIR POLICY_FILE
+       python dynamix_job.py finetune OUT_DIR POLICY_FILE
 Rank 0 writes what the callback saw and decided as JSON.
 """
 
@@ -108,5 +110,20 @@ elif mode == "resume":
     if trainer.is_global_zero:
         result = {"before": before, "after": recorder.seen, "history": history(second)}
         (out / "resume.json").write_text(json.dumps(result))
+elif mode == "ppo":
+    # the policy file given on the command line, as DynamixCallback(controller="ppo") would load the shipped one
+    from lightning_dynamix.control import PPOController
+
+    dynamix = DynamixCallback(PPOController(sys.argv[3]), interval=5, warmup_steps=5)
+    trainer = fit(60, [HeterogeneityEmulator([1.0, 3.0]), dynamix], enable_checkpointing=False, sizes=(128, 128))
+    if trainer.is_global_zero:
+        (out / "ppo.json").write_text(json.dumps({"history": history(dynamix)}))
+elif mode == "finetune":
+    tuning = {"finetune_kwargs": {"n_steps": 4, "batch_size": 4}, "policy": sys.argv[3]}
+    dynamix = DynamixCallback("ppo", interval=2, warmup_steps=2, finetune=True, controller_kwargs=tuning)
+    checkpoint = ModelCheckpoint(dirpath=out, filename="last", every_n_train_steps=40, save_top_k=-1)
+    trainer = fit(40, [HeterogeneityEmulator([1.0, 3.0]), dynamix, checkpoint], enable_checkpointing=True)
+    if trainer.is_global_zero:
+        (out / "finetune.json").write_text(json.dumps({"updates": dynamix.controller.finetuner.updates}))
 else:
     raise SystemExit(f"unknown mode {mode}")
