@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     policy.add_simulate_arguments(simulate)
     simulate.set_defaults(func=policy.run_simulate)
+    calibrate = commands.add_parser(
+        "calibrate", help="fit a simulator scenario to a run's logged metrics and replay the run to check it"
+    )
+    policy.add_calibrate_arguments(calibrate)
+    calibrate.set_defaults(func=policy.run_calibrate)
 
     bench_parser = commands.add_parser("bench", help="measured benchmarks")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)

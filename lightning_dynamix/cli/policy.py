@@ -114,6 +114,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", type=int, default=8, help="held-out scenarios per world size (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="which held-out scenarios (default 0)")
     parser.add_argument("--policy", default="default", help="policy file for ppo (default: the shipped one)")
+    parser.add_argument(
+        "--scenario", type=Path, default=None, help="a scenario JSON (from dynamix calibrate) instead of held-out ones"
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("dynamix_runs/simulate"))
 
 
@@ -127,6 +130,15 @@ def run_simulate(args: argparse.Namespace) -> None:
     if "static" not in factories:
         factories = {"static": controller_factory("static"), **factories}
     space = ScenarioSpace()
+    calibrated = None
+    if args.scenario is not None:
+        from lightning_dynamix.rl.simulator import Scenario
+
+        try:
+            calibrated = Scenario.from_dict(json.loads(args.scenario.read_text()))
+        except (OSError, ValueError, TypeError) as error:
+            raise SystemExit(f"dynamix simulate: cannot read the scenario {args.scenario}: {error}") from None
+        args.nodes = [calibrated.world_size]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "scenarios_per_size": args.scenarios,
@@ -137,7 +149,10 @@ def run_simulate(args: argparse.Namespace) -> None:
     all_results: dict[int, list[dict[str, Any]]] = {}
     for nodes in args.nodes:
         rng = np.random.default_rng([EVALUATION_SEED + args.seed, nodes])
-        scenarios = [space.sample(rng, world_size=nodes) for _ in range(args.scenarios)]
+        if calibrated is not None:
+            scenarios = [calibrated] * args.scenarios  # one scenario, seeds i: different jitter and drift
+        else:
+            scenarios = [space.sample(rng, world_size=nodes) for _ in range(args.scenarios)]
         started = time.perf_counter()
         results = compare(scenarios, factories, seed=EVALUATION_SEED + args.seed)
         summary = summarize(results)
@@ -146,7 +161,8 @@ def run_simulate(args: argparse.Namespace) -> None:
             "summary": {k: {m: (v if math.isfinite(v) else None) for m, v in d.items()} for k, d in summary.items()},
             "runs": [{name: r.to_dict() for name, r in per.items()} for per in results],
         }
-        print(f"{nodes} nodes, {args.scenarios} held-out scenarios ({time.perf_counter() - started:.0f} s):")
+        what = f"{args.scenario} x {args.scenarios} seeds" if calibrated else f"{args.scenarios} held-out scenarios"
+        print(f"{nodes} nodes, {what} ({time.perf_counter() - started:.0f} s):")
         print(f"  {'controller':>10} {'time to target':>16} {'reached':>8} {'final accuracy':>15} {'throughput':>12}")
         for name, values in summary.items():
             ratio = values["median_time_to_target_vs_static"]
@@ -184,7 +200,10 @@ def _plot(all_results: dict[int, list[dict[str, Any]]], path: Path) -> Path:
                 base, mine = per["static"].time_to_target, per[name].time_to_target
                 ratios.append(mine / base if math.isfinite(base) and math.isfinite(mine) else np.nan)
             medians.append(np.nanmedian(ratios) if np.isfinite(ratios).any() else np.nan)
-            accuracies.append(statistics.median(per[name].final_accuracy for per in all_results[n]))
+            accuracies.append(
+                100
+                * statistics.median(per[name].final_accuracy - per["static"].final_accuracy for per in all_results[n])
+            )
             xs = np.full(len(ratios), sizes.index(n) + (i - (len(names) - 1) / 2) * width)
             left.scatter(xs, ratios, s=8, alpha=0.4, color=f"C{i}")
         positions = np.arange(len(sizes)) + (i - (len(names) - 1) / 2) * width
@@ -199,7 +218,8 @@ def _plot(all_results: dict[int, list[dict[str, Any]]], path: Path) -> Path:
     right.set_xscale("log", base=2)
     right.set_xticks(sizes, [str(n) for n in sizes])
     right.set_xlabel("nodes")
-    right.set_ylabel("median final accuracy")
+    right.axhline(0.0, color="grey", lw=0.8)
+    right.set_ylabel("final accuracy - static's, points (median)")
     right.set_title("final accuracy after the same number of samples")
     right.legend()
     fig.tight_layout()
@@ -243,3 +263,65 @@ def run_bench(args: argparse.Namespace) -> None:
         print(f"  {n:>3} ranks: median {median * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms")
     if args.output is not None:
         args.output.write_text(json.dumps(results, indent=1))
+
+
+# ---------------------------------------------------------------------------------------------- calibrate
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("log_dir", type=Path, help="a run's logs (metrics.csv or TensorBoard event files)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="scenario JSON (default: scenario.json beside the logs)"
+    )
+    parser.add_argument("--dataset-size", type=int, default=100_000, help="samples per epoch (default 100000)")
+    parser.add_argument(
+        "--memory-limit", type=int, default=None, help="largest batch a rank holds (default: 16x the largest logged)"
+    )
+    parser.add_argument("--best-accuracy", type=float, default=0.9, help="accuracy at convergence (default 0.9)")
+
+
+def run_calibrate(args: argparse.Namespace) -> None:
+    from lightning_dynamix.cli.report import find_logs, merge_by_directory, read_log
+    from lightning_dynamix.rl.calibrate import calibrate, replay
+
+    if not args.log_dir.exists():
+        raise SystemExit(f"dynamix calibrate: {args.log_dir} does not exist")
+    logs = [g for g in merge_by_directory([read_log(p) for p in find_logs(args.log_dir)]) if g.ranks]
+    if len(logs) != 1:
+        found = ", ".join(str(g.source.parent) for g in logs) or "none"
+        raise SystemExit(f"dynamix calibrate: needs the logs of exactly one run with per-rank metrics, found: {found}")
+    log = logs[0]
+    try:
+        scenario, report = calibrate(
+            log.series,
+            log.ranks,
+            dataset_size=args.dataset_size,
+            memory_limit=args.memory_limit,
+            best_accuracy=args.best_accuracy,
+        )
+    except ValueError as error:
+        raise SystemExit(f"dynamix calibrate: {error}") from None
+    rows = replay(scenario, log.ranks, report)
+    output = args.output or log.source.parent / "scenario.json"
+    output.write_text(json.dumps(scenario.to_dict(), indent=1))
+    print(
+        f"calibrated on {report.intervals} intervals of {report.interval_steps} steps,"
+        f" {scenario.world_size} ranks ({log.source})"
+    )
+    for rank, (alpha, beta) in enumerate(report.compute_fit):
+        print(
+            f"  rank {rank}: compute {alpha * 1e3:.2f} ms + {beta * 1e3:.3f} ms/sample,"
+            f" data {scenario.data_per_sample[rank] * 1e3:.3f} ms/sample"
+        )
+    print(
+        f"  all-reduce {scenario.allreduce_time * 1e3:.2f} ms ({scenario.gradient_bytes / 1e6:.1f} MB at"
+        f" {scenario.bandwidth / 1e9:.2f} GB/s, {scenario.overlap:.0%} hidden); noise scale"
+        f" {scenario.noise_scale_start:.0f} -> {scenario.noise_scale_end:.0f};"
+        f" loss {scenario.loss_start:.3f} -> {scenario.loss_end:.3f}"
+    )
+    print(f"  assumed (not in the logs): {report.assumed}")
+    measured = [m for _, m, _ in rows]
+    print(
+        f"replay at the run's own sizes: median step time {statistics.median(measured) * 1e3:.1f} ms measured,"
+        f" {statistics.median(s for _, _, s in rows) * 1e3:.1f} ms simulated;"
+        f" median error {report.replay_step_time_error:.1%}"
+    )
+    print(f"scenario written to {output}; compare controllers on it: dynamix simulate --scenario {output}")

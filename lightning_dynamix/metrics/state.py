@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import numpy as np
 
@@ -174,26 +175,26 @@ class ClusterState:
     def world_size(self) -> int:
         return len(self.workers)
 
-    @property
+    @cached_property
     def batch_sizes(self) -> tuple[int, ...]:
         return tuple(w.batch_size for w in self.workers)
 
-    @property
+    @cached_property
     def global_batch(self) -> int:
         return sum(self.batch_sizes)
 
-    @property
+    @cached_property
     def step_time(self) -> float:
         """The job's step time: the slowest rank's (all ranks wait for it in the all-reduce)."""
         return max(w.step_time for w in self.workers)
 
-    @property
+    @cached_property
     def throughput(self) -> float:
         """Achieved samples per second of the whole job."""
         step = self.step_time
         return self.global_batch / step if step > 0 else NAN
 
-    @property
+    @cached_property
     def transfer_time(self) -> float:
         """The all-reduce time no batch split can remove, seconds per step: the least ``sync_wait`` of any rank.
 
@@ -205,7 +206,7 @@ class ClusterState:
         waits = [w.sync_wait for w in self.workers if math.isfinite(w.sync_wait)]
         return max(0.0, min(waits)) if waits else 0.0
 
-    @property
+    @cached_property
     def rank_speeds(self) -> tuple[float, ...]:
         """``s_r`` per rank: samples per second the rank would reach if it never waited for another rank.
 
@@ -219,12 +220,12 @@ class ClusterState:
             w.batch_size / (w.own_step_time + transfer) if w.own_step_time + transfer > 0 else NAN for w in self.workers
         )
 
-    @property
+    @cached_property
     def ideal_throughput(self) -> float:
         """``sum_r s_r`` (:attr:`rank_speeds`): what the job would achieve if no rank ever waited for another."""
         return sum(self.rank_speeds)
 
-    @property
+    @cached_property
     def bandwidth(self) -> float:
         """The best all-reduce bandwidth any rank measured, bytes per second (NaN if none).
 

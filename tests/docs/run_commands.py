@@ -224,6 +224,12 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dynamix simulate --nodes 8 --scenarios 2 --controllers static,pid,goodput,ppo": _contains(
         "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png"
     ),
+    "dynamix calibrate dynamix_runs/cli --output dynamix_runs/cli/scenario.json": _contains(
+        "calibrated on", "rank 1: compute", "replay at the run's own sizes", "scenario written to"
+    ),
+    "dynamix simulate --scenario dynamix_runs/cli/scenario.json --scenarios 2": _contains(
+        "2 nodes, dynamix_runs/cli/scenario.json x 2 seeds", "pid"
+    ),
     "dynamix train-policy --preset tiny --output dynamix_runs/policy/tiny.safetensors": _contains(
         "policy written to dynamix_runs/policy/tiny.safetensors", "held-out scenarios: 1"
     ),

@@ -69,6 +69,7 @@ if optimizer_name == "errors":  # what bad input says, on every rank
         except ValueError as error:
             messages[name] = str(error)
     torch.save(messages, out / f"errors{accelerator.process_index}.pt")
+    accelerator.end_training()  # waits for every rank and closes the process group: no gloo thread outlives it
     sys.exit(0)
 
 network = make_network(0)
@@ -100,3 +101,4 @@ torch.save(
     },
     out / f"rank{accelerator.process_index}.pt",
 )
+accelerator.end_training()
