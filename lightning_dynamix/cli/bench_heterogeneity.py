@@ -31,6 +31,12 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
         help=f"initial batch size of every rank (default {batch_size})",
     )
     parser.add_argument("--interval", type=int, default=5, help="optimizer steps per decision (default 5)")
+    parser.add_argument(
+        "--schedule",
+        type=_schedule,
+        default=(),
+        help="speed changes STEP:RANK:FACTOR,... (e.g. 50:1:3 makes rank 1 3x slower from step 50)",
+    )
     parser.add_argument("--hidden", type=int, default=768, help="width of the classifier's layers (default 768)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
@@ -39,14 +45,8 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
 
 def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser, batch_size=256)
-    parser.add_argument("--controller", default="pid", help="static, pid or goodput (default pid)")
+    parser.add_argument("--controller", default="pid", help="static, pid, goodput or ppo (default pid)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
-    parser.add_argument(
-        "--schedule",
-        type=_schedule,
-        default=(),
-        help="speed changes STEP:RANK:FACTOR,... (e.g. 50:1:3 makes rank 1 3x slower from step 50)",
-    )
 
 
 def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
@@ -134,16 +134,26 @@ def run_balance(args: argparse.Namespace) -> None:
 
 def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser, batch_size=128)
-    parser.add_argument("--controllers", default="static,pid,goodput", help="comma-separated (default all three)")
+    parser.add_argument(
+        "--controllers", default="static,pid,goodput,ppo", help="comma-separated (default static,pid,goodput,ppo)"
+    )
     parser.add_argument("--seeds", type=int, default=3, help="runs per controller, seeds 0..N-1 (default 3)")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default 10)")
     parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate at the initial global batch (default 0.1)")
     parser.add_argument(
+        "--architecture",
+        choices=("mlp", "transformer"),
+        default="mlp",
+        help="the classifier: mlp (default), or a small transformer encoder (another model family)",
+    )
+    parser.add_argument("--depth", type=int, default=2, help="MLP hidden layers or transformer layers (default 2)")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (momentum 0.9)")
+    parser.add_argument(
         "--lr-scaling",
         default="adascale",
         help="rule when the global batch changes: none, linear, sqrt, adascale (default adascale; static and pid"
-        " keep the global batch, so it only acts on goodput)",
+        " keep the global batch, so it only acts on goodput and ppo)",
     )
 
 
@@ -165,7 +175,11 @@ def run_tta(args: argparse.Namespace) -> None:
                 hidden=args.hidden,
                 lr=args.lr,
                 lr_scaling=args.lr_scaling,
+                architecture=args.architecture,
+                depth=args.depth,
+                optimizer=args.optimizer,
                 target_accuracy=args.target_accuracy,
+                schedule=args.schedule,
                 seed=seed,
             )
             result = run(config)
@@ -188,6 +202,7 @@ def run_tta(args: argparse.Namespace) -> None:
     output = {
         "benchmark": "tta",
         "speeds": list(args.speeds),
+        "schedule": [list(c) for c in args.schedule],
         "target_accuracy": args.target_accuracy,
         "controllers": table,
         "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},
@@ -200,8 +215,10 @@ def run_tta(args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({k: v for k, v in output.items() if k != "runs"}, indent=2))
         return
+    changes = "".join(f", rank {r} x{f:g} from step {s}" for s, r, f in args.schedule)
+    model = f"{args.architecture} (hidden {args.hidden}, depth {args.depth}, {args.optimizer} lr {args.lr:g})"
     print(
-        f"\ndynamix bench tta: speeds {list(args.speeds)}, {args.epochs} epochs, target accuracy"
+        f"\ndynamix bench tta: {model}, speeds {list(args.speeds)}{changes}, {args.epochs} epochs, target accuracy"
         f" {args.target_accuracy}, {args.seeds} seeds (medians)"
     )
     print(

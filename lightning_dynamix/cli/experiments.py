@@ -47,7 +47,10 @@ class RunConfig:
         seed: seed of the data, the initial weights and the training order.
         schedule: ``(step, rank, factor)`` speed changes during the run.
         max_batch_size: the largest batch size a rank may be given.
-        hidden: width of the classifier's hidden layers.
+        hidden: width of the classifier's hidden layers (the transformer's model width).
+        architecture: ``"mlp"`` or ``"transformer"`` (:class:`~lightning_dynamix.data.workloads.ClassificationTask`).
+        depth: hidden layers of the MLP, encoder layers of the transformer.
+        optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
         num_samples: training samples per epoch.
         log_dir: write the callback's ``dynamix/...`` metrics with a ``CSVLogger`` to
             ``log_dir/<controller>/metrics.csv`` (what ``dynamix report`` reads); ``None``: no logs.
@@ -68,6 +71,9 @@ class RunConfig:
     schedule: tuple[tuple[int, int, float], ...] = ()
     max_batch_size: int = 1024
     hidden: int = 768
+    architecture: str = "mlp"
+    depth: int = 2
+    optimizer: str = "sgd"
     num_samples: int = 16384
     log_dir: str | None = None
 
@@ -192,7 +198,14 @@ def run(config: RunConfig) -> RunResult | None:
         enable_model_summary=False,
     )
     data = ClassificationDataModule(num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed)
-    model = ClassificationTask(hidden=config.hidden, lr=config.lr, seed=config.seed)
+    model = ClassificationTask(
+        hidden=config.hidden,
+        depth=config.depth,
+        lr=config.lr,
+        optimizer=config.optimizer,  # type: ignore[arg-type]
+        architecture=config.architecture,  # type: ignore[arg-type]
+        seed=config.seed,
+    )
     trainer.fit(model, datamodule=data)
     if not trainer.is_global_zero:
         return None

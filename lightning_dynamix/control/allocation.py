@@ -6,8 +6,11 @@ sum exactly to the global batch and respect every rank's bounds, and check the b
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
+
+import numpy as np
 
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 
@@ -58,33 +61,34 @@ def proportional_fill(
     weights: Sequence[float], total: float, lower: Sequence[float], upper: Sequence[float | None]
 ) -> list[float]:
     """Continuous ``x_i = clip(lam * w_i, lower_i, upper_i)`` with ``sum x = total`` (or the nearest bound)."""
-    n = len(weights)
-    if sum(lower) >= total:
-        return [float(v) for v in lower]
-    if all(u is not None for u in upper) and sum(u for u in upper if u is not None) <= total:
-        return [float(u) for u in upper if u is not None]
+    w = np.asarray(weights, dtype=np.float64)
+    low = np.asarray(lower, dtype=np.float64)
+    high = np.array([np.inf if u is None else u for u in upper], dtype=np.float64)
+    if low.sum() >= total:
+        return [float(v) for v in low]
+    if np.isfinite(high).all() and high.sum() <= total:
+        return [float(u) for u in high]
 
-    def filled(lam: float) -> float:
-        return sum(_clip(lam * weights[i], lower[i], upper[i]) for i in range(n))
+    def clipped(lam: np.ndarray) -> np.ndarray:
+        return np.minimum(np.maximum(lam[..., None] * w, low), high)
 
-    # f(lam) is continuous, non-decreasing and linear between the points where a rank leaves a bound
-    points = sorted({lower[i] / weights[i] for i in range(n)} | {u / weights[i] for i, u in enumerate(upper) if u})
-    prev_lam, prev_f = 0.0, filled(0.0)
-    for lam in points:
-        f = filled(lam)
-        if f >= total:
-            lam_star = prev_lam + (total - prev_f) * (lam - prev_lam) / (f - prev_f) if f > prev_f else lam
-            return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
-        prev_lam, prev_f = lam, f
-    # beyond the last point only ranks without an upper bound still grow
-    slope = sum(weights[i] for i in range(n) if upper[i] is None)
-    lam_star = prev_lam + (total - prev_f) / slope
-    return [_clip(lam_star * weights[i], lower[i], upper[i]) for i in range(n)]
-
-
-def _clip(value: float, low: float, high: float | None) -> float:
-    value = max(value, low)
-    return value if high is None else min(value, high)
+    # f(lam) = sum_i clipped_i(lam) is continuous, non-decreasing and linear between the points where
+    # a rank leaves a bound: evaluate it at all of them at once, interpolate in the segment that holds total
+    bounded = np.isfinite(high) & (high > 0)
+    points = np.unique(np.concatenate([[0.0], low / w, high[bounded] / w[bounded]]))
+    filled = clipped(points).sum(axis=1)
+    above = np.flatnonzero(filled >= total)
+    if above.size:
+        k = int(above[0])
+        if k == 0:
+            lam_star = 0.0
+        else:
+            rise = filled[k] - filled[k - 1]
+            step = points[k] - points[k - 1]
+            lam_star = points[k - 1] + (total - filled[k - 1]) * step / rise if rise > 0 else points[k]
+    else:  # beyond the last point only ranks without an upper bound still grow
+        lam_star = points[-1] + (total - filled[-1]) / w[~np.isfinite(high)].sum()
+    return [float(v) for v in clipped(np.asarray(lam_star))]
 
 
 def round_to_total(
@@ -100,20 +104,25 @@ def round_to_total(
     sizes = [max(lo, math.floor(v + 1e-9)) for v, lo in zip(values, lower)]
     sizes = [s if hi is None else min(s, hi) for s, hi in zip(sizes, upper)]
     missing = total - sum(sizes)
-    while missing > 0:
-        grow = [i for i in range(len(sizes)) if upper[i] is None or sizes[i] < upper[i]]  # type: ignore[operator]
-        if not grow:
-            break
-        i = max(grow, key=lambda j: (values[j] - sizes[j], -j))
-        sizes[i] += 1
-        missing -= 1
-    while missing < 0:
-        shrink = [i for i in range(len(sizes)) if sizes[i] > lower[i]]
-        if not shrink:
-            break
-        i = min(shrink, key=lambda j: (values[j] - sizes[j], j))
-        sizes[i] -= 1
-        missing += 1
+    # one sample at a time to the rank whose size is furthest below its value (a heap: n log n, not n^2)
+    if missing > 0:
+        heap = [(sizes[i] - values[i], i) for i in range(len(sizes)) if upper[i] is None or sizes[i] < upper[i]]  # type: ignore[operator]
+        heapq.heapify(heap)
+        while missing > 0 and heap:
+            _, i = heapq.heappop(heap)
+            sizes[i] += 1
+            missing -= 1
+            if upper[i] is None or sizes[i] < upper[i]:  # type: ignore[operator]
+                heapq.heappush(heap, (sizes[i] - values[i], i))
+    if missing < 0:
+        heap = [(values[i] - sizes[i], i) for i in range(len(sizes)) if sizes[i] > lower[i]]
+        heapq.heapify(heap)
+        while missing < 0 and heap:
+            _, i = heapq.heappop(heap)
+            sizes[i] -= 1
+            missing += 1
+            if sizes[i] > lower[i]:
+                heapq.heappush(heap, (values[i] - sizes[i], i))
     return tuple(int(s) for s in sizes)
 
 

@@ -3,10 +3,12 @@
 :class:`PPOController` runs a policy trained with PPO in the cluster simulator
 (:mod:`lightning_dynamix.rl`): at each decision it encodes the :class:`ClusterState` with
 :meth:`ClusterState.observation` (the encoding the policy was trained on), the rank-shared network
-scores each rank, and each rank's batch size moves by the chosen adjustment (-25%, -10%, keep,
-+10%, +25%), within the bounds. The policy chooses the global batch too: it reads the gradient
-noise scale, so it trades throughput against statistical efficiency like Pollux, and balances
-unequal ranks like the PID controller, without a model of the system.
+scores the job and each rank: the balancer (the PID controller, which equalises the ranks' own
+step times at the current global batch) proposes sizes, the job's adjustment (-25%, -10%, keep,
++10%, +25%) scales the global batch and each rank's adjustment moves that rank, within the
+bounds. The policy chooses the global batch from the gradient noise scale and the throughput,
+trading throughput against statistical efficiency like Pollux, and moves ranks away from the
+balanced split where its training found that pays, without a model of the system.
 
 Safe fallbacks, so a policy never crashes a training run: a state with more ranks than the policy
 was trained for, or an observation that is not finite, keeps the current sizes (with one warning).
@@ -25,7 +27,7 @@ from lightning_dynamix.control.allocation import resolve_bounds, validate_bound,
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.metrics.state import ClusterState
 from lightning_dynamix.rl.files import PolicyFile, load_policy
-from lightning_dynamix.rl.policy import apply_adjustments
+from lightning_dynamix.rl.policy import apply_adjustments, balancer
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class PPOController:
                 f" got {type(policy).__name__}: {policy!r}"
             )
         self.deterministic = deterministic
+        self.balancer = balancer(self.min_batch_size, self.max_batch_size)
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         self._warned: set[str] = set()
@@ -138,13 +141,14 @@ class PPOController:
             actions = self.finetuner.act(state, self.base_global_batch)
         else:
             actions = self.act(observation)
+        proposal = self.balancer.decide(state).batch_sizes
         lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
         self.decisions += 1
-        return Decision(apply_adjustments(current, actions, lower, upper))
+        return Decision(apply_adjustments(proposal, actions, lower, upper))
 
     @torch.no_grad()
     def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
-        """One action index per rank for an (unpadded) observation."""
+        """Action indices for an (unpadded) observation: the job's, then one per rank."""
         if self.deterministic:
             return self.policy.network.act(observation)
         ranks = torch.as_tensor(observation["ranks"]).unsqueeze(0)
@@ -163,6 +167,7 @@ class PPOController:
             "generator": self._generator.get_state().tolist(),
             "warned": sorted(self._warned),
             "base_global_batch": self.base_global_batch,
+            "balancer": self.balancer.state_dict(),
         }
         if self.finetuner is not None:
             state["finetune"] = self.finetuner.state_dict()
@@ -173,5 +178,6 @@ class PPOController:
         self._generator.set_state(torch.tensor(state_dict["generator"], dtype=torch.uint8))
         self._warned = set(state_dict.get("warned", []))
         self.base_global_batch = state_dict.get("base_global_batch")
+        self.balancer.load_state_dict(state_dict["balancer"])
         if self.finetuner is not None and "finetune" in state_dict:
             self.finetuner.load_state_dict(state_dict["finetune"])

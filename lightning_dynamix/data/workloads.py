@@ -12,7 +12,8 @@ samples generated, the ceiling any model can reach.
 
 * :class:`GaussianMixtureClassificationDataset`: the samples, generated from a seed.
 * :class:`ClassificationDataModule`: disjoint training and validation splits of one generated set.
-* :class:`ClassificationTask`: an MLP classifier that logs ``train_loss``, ``val_loss`` and ``val_acc``.
+* :class:`ClassificationTask`: an MLP classifier (or, with ``architecture="transformer"``, a small
+  transformer encoder over groups of features) that logs ``train_loss``, ``val_loss`` and ``val_acc``.
 
 The defaults are calibrated for ``dynamix demo`` and ``dynamix bench tta`` on CPU, one thread per
 process. The Bayes-optimal accuracy on the validation split is about 0.98; the MLP (two hidden
@@ -42,6 +43,7 @@ from lightning_dynamix._checks import require_int, require_number
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerName = Literal["sgd", "adam"]
+ArchitectureName = Literal["mlp", "transformer"]
 
 DEFAULT_TARGET_ACCURACY = 0.85
 """Validation accuracy that the default workload reaches after several epochs with a decent configuration."""
@@ -277,6 +279,41 @@ def _mlp(num_features: int, num_classes: int, hidden: int, depth: int) -> nn.Seq
     return nn.Sequential(*layers)
 
 
+class FeatureTransformer(nn.Module):
+    """A transformer encoder classifier over the features taken as tokens of ``token_features`` each.
+
+    The features are split into ``num_features / token_features`` tokens, each embedded linearly to
+    ``d_model`` with a learned position, encoded by ``depth`` pre-norm encoder layers (GELU,
+    ``4 x d_model`` feed-forward, ``heads`` heads), mean-pooled and classified linearly: another
+    model family than the MLP (attention, layer norm, more compute per parameter).
+    """
+
+    def __init__(
+        self, num_features: int, num_classes: int, d_model: int, depth: int, token_features: int = 4, heads: int = 4
+    ) -> None:
+        super().__init__()
+        if num_features % token_features:
+            raise ValueError(
+                f"`num_features` ({num_features}) must be a multiple of the token size {token_features}"
+                " for architecture='transformer'"
+            )
+        if d_model % heads:
+            raise ValueError(f"`hidden` ({d_model}) must be a multiple of {heads} (attention heads) for a transformer")
+        self.token_features = token_features
+        self.embed = nn.Linear(token_features, d_model)
+        self.position = nn.Parameter(torch.randn(num_features // token_features, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model, heads, 4 * d_model, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.embed(x.view(x.shape[0], -1, self.token_features)) + self.position
+        return self.head(self.norm(self.encoder(tokens)).mean(dim=1))
+
+
 class ClassificationTask(LightningModule):
     """A multi-layer perceptron classifier with cross-entropy loss and validation accuracy.
 
@@ -288,8 +325,8 @@ class ClassificationTask(LightningModule):
     Args:
         num_features: input features per sample.
         num_classes: classes.
-        hidden: width of each hidden layer.
-        depth: number of hidden layers (0 is a linear classifier).
+        hidden: width of each hidden layer (the transformer's model width).
+        depth: number of hidden layers (0 is a linear classifier); the transformer's encoder layers.
         lr: learning rate; the default suits SGD at a global batch of 128 samples (scale it in proportion
             to the global batch: 0.1 at 256, 0.2 at 512).
         momentum: SGD momentum (ignored by Adam).
@@ -298,6 +335,8 @@ class ClassificationTask(LightningModule):
         seed: seed of the initial weights; ``None`` draws them from the global generator.
         sync_train_loss: average the logged training loss over ranks at every step
             (one extra all-reduce per step).
+        architecture: ``"mlp"``, or ``"transformer"`` for a :class:`FeatureTransformer` (another
+            model family, for measuring how policies and controllers transfer).
     """
 
     def __init__(
@@ -312,6 +351,7 @@ class ClassificationTask(LightningModule):
         weight_decay: float = 0.0,
         seed: int | None = 0,
         sync_train_loss: bool = False,
+        architecture: ArchitectureName = "mlp",
     ) -> None:
         super().__init__()
         require_int("num_features", num_features, 1)
@@ -325,14 +365,24 @@ class ClassificationTask(LightningModule):
         require_number("weight_decay", weight_decay, 0.0)
         if seed is not None:
             require_int("seed", seed, 0)
+        if architecture not in ("mlp", "transformer"):
+            raise ValueError(f"`architecture` must be 'mlp' or 'transformer', got {architecture!r}")
+        if architecture == "transformer":
+            require_int("depth", depth, 1)
         self.save_hyperparameters()
+
+        def build() -> nn.Module:
+            if architecture == "transformer":
+                return FeatureTransformer(num_features, num_classes, hidden, depth)
+            return _mlp(num_features, num_classes, hidden, depth)
+
         if seed is None:
-            self.network = _mlp(num_features, num_classes, hidden, depth)
+            self.network = build()
         else:
             # PyTorch's default initialisation, from a seeded generator the caller's random state never sees
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
-                self.network = _mlp(num_features, num_classes, hidden, depth)
+                self.network = build()
         self.val_accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro")
         self.val_loss = MeanMetric()
 

@@ -1,7 +1,9 @@
-"""Small collectives the training loop needs: weighted means and agreement checks."""
+"""Small collectives the training loop needs: weighted means and agreement checks; a clean exit after them."""
 
 from __future__ import annotations
 
+import atexit
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -10,6 +12,31 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
+
+
+# seconds the exit handler releases the interpreter for, so that backend threads finish their work
+_EXIT_GRACE_SECONDS = 0.2
+_exit_handler_registered = False
+
+
+def _let_backend_threads_finish() -> None:
+    time.sleep(_EXIT_GRACE_SECONDS)
+
+
+def let_backend_threads_finish_at_exit() -> None:
+    """Register (once per process) an exit handler that lets the process group's threads finish first.
+
+    A gloo worker thread frees a finished collective's work, and the Python tensors it holds, just
+    after the collective has returned to Python. If the script ends at that moment, the thread
+    meets an interpreter already shutting down, cannot take the GIL, and the process aborts with
+    "terminate called without an active exception" (SIGABRT) although training finished: more
+    often on a loaded machine, where the thread waits longer for a core. Python runs exit handlers
+    while the interpreter is still whole; this one releases it for a fraction of a second.
+    """
+    global _exit_handler_registered
+    if not _exit_handler_registered:
+        atexit.register(_let_backend_threads_finish)
+        _exit_handler_registered = True
 
 
 def weighted_mean_all_reduce(tensor: torch.Tensor, weight: float) -> torch.Tensor:

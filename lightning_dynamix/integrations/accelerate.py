@@ -55,6 +55,7 @@ from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
+    let_backend_threads_finish_at_exit,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
     weighted_allreduce_hook,
@@ -224,6 +225,7 @@ class DynamixAccelerate:
                 " `torchrun --nproc_per_node N script.py` (N >= 2), or train without DynamixAccelerate on one process."
             )
         self.accelerator = accelerator
+        let_backend_threads_finish_at_exit()
         self.min_batch_size = require_int("min_batch_size", min_batch_size, 1)
         self.max_batch_size = require_optional_int("max_batch_size", max_batch_size, min_batch_size, "min_batch_size")
         self._initial_sizes: BatchSizes | None = None

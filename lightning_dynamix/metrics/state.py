@@ -249,7 +249,8 @@ class ClusterState:
             unknown values (NaN: no GPU, no noise-scale estimate yet) encode as 0.
         """
         sizes = np.array(self.batch_sizes, dtype=np.float64)
-        column = {name: np.array([getattr(w, name) for w in self.workers], dtype=np.float64) for name in _OBSERVED}
+        table = np.array([[getattr(w, name) for name in _OBSERVED] for w in self.workers], dtype=np.float64)
+        column = dict(zip(_OBSERVED, table.T))
         compute = column["compute_time"]
         own_step = column["step_time"] - column["sync_wait"]
         with np.errstate(divide="ignore", invalid="ignore"):

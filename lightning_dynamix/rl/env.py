@@ -4,9 +4,12 @@ Observation: :meth:`ClusterState.observation` of the simulated job (the very enc
 callback produces), rank rows padded to ``max_world_size`` with a mask of the real ranks
 (:func:`~lightning_dynamix.rl.policy.padded_observation`).
 
-Action: for each rank an index into :data:`~lightning_dynamix.rl.policy.ADJUSTMENTS`
-(-25%, -10%, keep, +10%, +25% of its batch size), clamped to the scenario's bounds; entries for
-padding ranks are ignored.
+Action: ``1 + max_world_size`` indices into :data:`~lightning_dynamix.rl.policy.ADJUSTMENTS`
+(-25%, -10%, keep, +10%, +25%): the job's, which scales the global batch, then one per rank, which
+moves that rank's size (:func:`~lightning_dynamix.rl.policy.apply_adjustments`). They apply to the
+sizes the balancer proposes (:func:`~lightning_dynamix.rl.policy.balancer`: the PID controller,
+which equalises the ranks' own step times at the current global batch), clamped to the scenario's
+bounds; entries for padding ranks are ignored. Keeping everything is the PID controller.
 
 Reward of an interval (documented in docs/controllers/ppo.md):
 
@@ -14,6 +17,10 @@ Reward of an interval (documented in docs/controllers/ppo.md):
     - oscillation * mean over ranks of |log2 change| where a rank's change reverses its previous one
     - memory * fraction of ranks given more samples than fit in their memory
     - generalization * accuracy ceiling lost to this interval's batch / (best - target accuracy)
+
+The accuracy ceiling lost to an interval is ``generalization_gap x log2(B / B_noise)`` (0 for a
+global batch within the noise scale) times the interval's share of the progress a run needs to
+reach the target accuracy: the ceiling falls with the progress-weighted mean excess over the run.
 
 ``goodput`` is the interval's progress (ideal small-batch samples: throughput x statistical
 efficiency) per second; ``reference_goodput`` is what a perfectly balanced job at the initial
@@ -36,7 +43,7 @@ from gymnasium import spaces
 
 from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES
-from lightning_dynamix.rl.policy import ADJUSTMENTS, apply_adjustments, padded_observation
+from lightning_dynamix.rl.policy import ADJUSTMENTS, apply_adjustments, balancer, padded_observation
 from lightning_dynamix.rl.simulator import ClusterSimulator, IntervalOutcome, Scenario, ScenarioSpace
 
 
@@ -47,12 +54,13 @@ class RewardWeights:
     Attributes:
         oscillation: per unit of log2 batch change that reverses the previous change.
         memory: per fraction of ranks over their memory limit.
-        generalization: per loss of accuracy ceiling equal to the margin between best and target accuracy.
+        generalization: per loss of accuracy ceiling (this interval's part of it) equal to the margin
+            between best and target accuracy.
     """
 
     oscillation: float = 0.2
     memory: float = 1.0
-    generalization: float = 0.5
+    generalization: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("oscillation", "memory", "generalization"):
@@ -80,7 +88,10 @@ def interval_reward(
     global_batch = float(sum(outcome.batch_sizes))
     excess = max(0.0, math.log2(global_batch / outcome.noise_scale))
     margin = scenario.best_accuracy - scenario.target_accuracy
-    generalization = scenario.generalization_gap * excess / margin if margin > 0 else 0.0
+    # the ceiling is the best accuracy less gap x the progress-weighted mean excess: this interval's
+    # part of it is its share of the progress a run makes until the target
+    share = outcome.progress / scenario.progress_to_target
+    generalization = scenario.generalization_gap * excess * share / margin if margin > 0 else 0.0
     goodput = outcome.goodput / outcome.reference_goodput
     terms = {
         "goodput": goodput,
@@ -149,7 +160,7 @@ class DynamixEnv(gym.Env):
                 "mask": spaces.Box(0.0, 1.0, (m,), np.float32),
             }
         )
-        self.action_space = spaces.MultiDiscrete([len(ADJUSTMENTS)] * m)
+        self.action_space = spaces.MultiDiscrete([len(ADJUSTMENTS)] * (1 + m))  # the job's, then per rank
         self._next_scenario = 0
         self.simulator: ClusterSimulator | None = None
         if seed is not None:
@@ -171,6 +182,7 @@ class DynamixEnv(gym.Env):
         self.simulator = ClusterSimulator(scenario, seed=int(self.np_random.integers(0, 2**31 - 1)))
         self.state = self.simulator.reset()
         self.sizes = self.state.batch_sizes
+        self.balancer = balancer()
         self._previous_change = np.zeros(scenario.world_size)
         self._intervals = 0
         return padded_observation(self.state, self.max_world_size), {"scenario": scenario}
@@ -181,7 +193,8 @@ class DynamixEnv(gym.Env):
             raise RuntimeError("DynamixEnv.reset() was not called")
         n = simulator.scenario.world_size
         low, high = simulator.bounds()
-        sizes = apply_adjustments(self.sizes, np.asarray(action)[:n], [low] * n, [high] * n)
+        proposal = self.balancer.decide(self.state).batch_sizes
+        sizes = apply_adjustments(proposal, np.asarray(action)[: 1 + n], [low] * n, [high] * n)
         self.state, outcome = simulator.run_interval(sizes)
         reward, terms, self._previous_change = interval_reward(
             simulator.scenario, outcome, self.sizes, sizes, self._previous_change, self.reward_weights

@@ -16,7 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lightning_dynamix.control import BatchController, make_controller
+import numpy as np
+
+from lightning_dynamix.control import BatchController, Decision, make_controller
+from lightning_dynamix.metrics.state import ClusterState
 from lightning_dynamix.rl.simulator import ClusterSimulator, Scenario
 
 # the most intervals one evaluation run may take, whatever its budget
@@ -54,6 +57,62 @@ class RunResult:
 ControllerFactory = Callable[[Scenario], BatchController]
 
 
+class OracleController:
+    """A reference, not a controller: decides from what only the simulator knows.
+
+    Every decision it reads the simulator's true speeds (drift and slowdowns included, the moment
+    they happen) and true gradient noise scale, and runs the global batch, among the initial one
+    times ``2^(k/4)`` for ``k`` in -12..12, whose split into equal own step times (within the memory
+    limits) has the most goodput, discounted for the accuracy ceiling large batches cost. No
+    controller that measures can know these, so how close one comes to it is what there was to win.
+    """
+
+    def __init__(self) -> None:
+        self.simulator: ClusterSimulator | None = None
+
+    def decide(self, state: ClusterState) -> Decision:
+        simulator = self.simulator
+        if simulator is None:
+            raise RuntimeError("OracleController runs only inside run_controller, which hands it the simulator")
+        s = simulator.scenario
+        speeds = simulator.speed_multipliers(simulator.time)
+        noise = simulator.noise_scale
+        overhead, per_sample = np.asarray(s.step_overhead) / speeds, np.asarray(s.compute_per_sample) / speeds
+        load, memory = np.asarray(s.data_per_sample), np.asarray(s.memory_limit, dtype=np.float64)
+        exposed = s.allreduce_time * (1.0 - s.overlap)
+        margin = s.best_accuracy - s.target_accuracy
+        best: tuple[float, tuple[int, ...]] = (-np.inf, state.batch_sizes)
+        for k in range(-12, 13):
+            total = s.world_size * s.initial_batch_size * 2.0 ** (k / 4)
+            sizes = self._equal_time_split(total, overhead, per_sample, load, memory)
+            own = np.maximum(overhead + per_sample * sizes, load * sizes)
+            batch = float(sizes.sum())
+            goodput = batch / (own.max() + exposed) * noise / (noise + batch)
+            excess = max(0.0, np.log2(batch / noise))
+            if margin > 0:  # the ceiling a run at this batch would lose, against the margin it has
+                goodput *= max(0.0, 1.0 - s.generalization_gap * excess / margin)
+            if goodput > best[0]:
+                best = (goodput, tuple(int(b) for b in sizes))
+        return Decision(best[1])
+
+    @staticmethod
+    def _equal_time_split(
+        total: float, overhead: np.ndarray, per_sample: np.ndarray, load: np.ndarray, memory: np.ndarray
+    ) -> np.ndarray:
+        """Sizes summing to about ``total`` on which every rank's own step takes the same time ``T``."""
+
+        def sizes_at(t: float) -> np.ndarray:
+            fits = (t - overhead) / per_sample  # compute within t
+            fits = np.where(load > 0, np.minimum(fits, t / np.where(load > 0, load, 1.0)), fits)  # and loading
+            return np.clip(np.floor(fits), 1, memory)
+
+        low, high = 0.0, float((overhead + per_sample * total).max() + (load * total).max())
+        for _ in range(50):
+            middle = (low + high) / 2
+            low, high = (middle, high) if sizes_at(middle).sum() < total else (low, middle)
+        return sizes_at(high)
+
+
 def controller_factory(name: str, policy: str | None = None) -> ControllerFactory:
     """A fresh controller per run, by name (``"ppo"`` loads ``policy``, default: the shipped policy)."""
     if name == "ppo":
@@ -71,6 +130,8 @@ def run_controller(
 ) -> RunResult:
     """Train ``scenario`` with ``controller`` until ``sample_budget`` samples are spent (or MAX_INTERVALS)."""
     simulator = ClusterSimulator(scenario, seed)
+    if isinstance(controller, OracleController):
+        controller.simulator = simulator
     state = simulator.reset()
     time_to_target = math.inf
     out_of_memory = 0

@@ -6,10 +6,10 @@ JSON in the safetensors header under the key ``"lightning_dynamix"``, says what 
 
     {
       "format": "lightning-dynamix-policy",
-      "format_version": 1,
+      "format_version": 2,
       "network": {"class": "RankPolicyNetwork", "hidden": 64, "layers": 2},
       "observation": {"local_features": [...], "global_features": [...]},
-      "action": {"adjustments": [-0.25, -0.1, 0.0, 0.1, 0.25]},
+      "action": {"adjustments": [-0.25, -0.1, 0.0, 0.1, 0.25], "applied_to": "pid"},
       "max_world_size": 64,
       "training": {...},            # how it was trained: preset, scenarios, steps, rewards
       "package_version": "0.1.0"
@@ -31,10 +31,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES
-from lightning_dynamix.rl.policy import ADJUSTMENTS, RankPolicyNetwork
+from lightning_dynamix.rl.policy import ADJUSTMENTS, APPLIED_TO, RankPolicyNetwork
 
 FORMAT = "lightning-dynamix-policy"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: adjustments apply to the balancer's proposal (1: to the size the rank ran at)
 _METADATA_KEY = "lightning_dynamix"
 DEFAULT_POLICY = "default"
 
@@ -69,7 +69,7 @@ class PolicyFile:
             "format_version": FORMAT_VERSION,
             "network": {"class": "RankPolicyNetwork", "hidden": self.network.hidden, "layers": self.network.layers},
             "observation": {"local_features": list(LOCAL_FEATURES), "global_features": list(GLOBAL_FEATURES)},
-            "action": {"adjustments": list(ADJUSTMENTS)},
+            "action": {"adjustments": list(ADJUSTMENTS), "applied_to": APPLIED_TO},
             "max_world_size": self.max_world_size,
             "training": self.training,
             "package_version": __version__,
@@ -170,11 +170,17 @@ def _check_metadata(meta: Any, path: Path) -> None:
                 f"{path} was trained on another observation: its {key} are {observation.get(key)!r}, this"
                 f" version of lightning-dynamix observes {list(names)!r}. Retrain it with `dynamix train-policy`."
             )
-    adjustments = (meta.get("action") or {}).get("adjustments")
+    action = meta.get("action") or {}
+    adjustments = action.get("adjustments")
     if adjustments is None or [float(a) for a in adjustments] != list(ADJUSTMENTS):
         raise PolicyFileError(
             f"{path} chooses among other actions ({adjustments!r}); this version of lightning-dynamix uses"
             f" {list(ADJUSTMENTS)!r}. Retrain it with `dynamix train-policy`."
+        )
+    if action.get("applied_to") != APPLIED_TO:
+        raise PolicyFileError(
+            f"{path} applies its adjustments to {action.get('applied_to')!r}; this version of lightning-dynamix"
+            f" applies them to the proposal of {APPLIED_TO!r}. Retrain it with `dynamix train-policy`."
         )
     network = meta.get("network") or {}
     if network.get("class") != "RankPolicyNetwork" or not all(

@@ -138,7 +138,7 @@ class OnlineFinetuner:
                 self._update(value)
         self._pending = (obs, actions.numpy(), value, log_prob)
         self._previous_sizes = state.batch_sizes
-        return actions.numpy()[0, : state.world_size]
+        return actions.numpy()[0, : 1 + state.world_size]
 
     def _add(self, reward: float) -> None:
         assert self._pending is not None

@@ -64,6 +64,29 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     assert 0 < result["throughput_to_ideal_second_half"] <= 1.05
 
 
+def test_bench_tta_compares_controllers_on_another_model_family_with_a_mid_run_slowdown(tmp_path):
+    out = tmp_path / "tta.json"
+    dynamix(
+        "bench", "tta", "--controllers", "static,ppo", "--seeds", "1", "--epochs", "1", "--batch-size", "32",
+        "--architecture", "transformer", "--hidden", "16", "--depth", "1", "--optimizer", "adam", "--lr", "0.003",
+        "--lr-scaling", "sqrt", "--speeds", "1,1", "--schedule", "60:1:3", "--target-accuracy", "0.2",
+        "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["schedule"] == [[60, 1, 3.0]]
+    assert set(result["controllers"]) == {"static", "ppo"}
+    for controller, runs in result["runs"].items():
+        (run_result,) = runs
+        assert run_result["config"]["architecture"] == "transformer"
+        assert run_result["config"]["controller"] == controller
+        assert run_result["samples"] == 16384  # one epoch: every sample once, whatever the sizes
+    static = result["runs"]["static"][0]["intervals"]
+    assert all(i["batch_sizes"] == [32, 32] for i in static)
+    # rank 1 is 3x slower from step 60: ppo's balancer moves samples to rank 0
+    ppo = result["runs"]["ppo"][0]["intervals"]
+    assert ppo[-1]["batch_sizes"][0] > ppo[-1]["batch_sizes"][1]
+
+
 def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
     out = tmp_path / "overhead.json"
     dynamix(

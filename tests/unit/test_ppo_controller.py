@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lightning_dynamix.control import PPOController, make_controller
+from lightning_dynamix.control import PIDController, PPOController, make_controller
 from lightning_dynamix.metrics import ClusterState, WorkerMetrics
 from lightning_dynamix.rl import ClusterSimulator, with_world_size
 from lightning_dynamix.rl.files import (
@@ -23,7 +23,7 @@ from lightning_dynamix.rl.files import (
     load_policy,
     save_policy,
 )
-from lightning_dynamix.rl.policy import RankPolicyNetwork
+from lightning_dynamix.rl.policy import KEEP, RankPolicyNetwork
 from tests.unit.test_rl_simulator import two_ranks
 
 
@@ -109,6 +109,12 @@ def test_a_file_with_other_actions_is_refused(policy_path):
         load_policy(path)
 
 
+def test_a_file_whose_adjustments_apply_to_something_else_is_refused(policy_path):
+    path = rewrite_metadata(policy_path, lambda m: m["action"].update(applied_to="current sizes"))
+    with pytest.raises(PolicyFileError, match=r"applies its adjustments to 'current sizes'.*to the proposal of 'pid'"):
+        load_policy(path)
+
+
 def test_tensors_that_do_not_fit_the_network_are_refused(policy_path):
     path = rewrite_metadata(policy_path, lambda m: m["network"].update(hidden=32))
     with pytest.raises(PolicyFileError, match="do not fit a RankPolicyNetwork"):
@@ -141,6 +147,41 @@ def test_the_default_policy_decides_at_any_world_size_within_bounds(world_size):
         assert len(decision.batch_sizes) == world_size
         assert all(8 <= b <= 200 for b in decision.batch_sizes)
         state, _ = simulator.run_interval(decision.batch_sizes)
+
+
+def always(network: RankPolicyNetwork, job: int, rank: int) -> RankPolicyNetwork:
+    """``network`` made to choose ``job`` for the job and ``rank`` for every rank, whatever it observes."""
+    with torch.no_grad():
+        for head, choice in ((network.job_head, job), (network.action_head, rank)):
+            head.weight.zero_()
+            head.bias.fill_(0.0)
+            head.bias[choice] = 10.0
+    return network
+
+
+def test_keeping_every_proposal_decides_exactly_like_the_pid_controller(policy_path):
+    keep = PPOController(PolicyFile(always(load_policy(policy_path).network, KEEP, KEEP), max_world_size=8))
+    pid = PIDController()
+    simulator = ClusterSimulator(with_world_size(two_ranks(), 4), 0)
+    state = simulator.reset()
+    for _ in range(8):
+        decision = keep.decide(state)
+        assert decision.batch_sizes == pid.decide(state).batch_sizes
+        state, _ = simulator.run_interval(decision.batch_sizes)
+    assert state.batch_sizes[0] > 2 * state.batch_sizes[1]  # rank 1 (and 3) run 3x slower
+
+
+def test_the_jobs_adjustment_grows_the_global_batch_on_top_of_the_balanced_split(policy_path):
+    grow = PPOController(PolicyFile(always(load_policy(policy_path).network, 3, KEEP), max_world_size=8))
+    simulator = ClusterSimulator(two_ranks(), 0)
+    state = simulator.reset()
+    totals = []
+    for _ in range(4):
+        decision = grow.decide(state)
+        totals.append(sum(decision.batch_sizes))
+        state, _ = simulator.run_interval(decision.batch_sizes)
+    assert totals == [141, 155, 171, 188]  # +10% a decision from 128
+    assert state.batch_sizes[0] > 2 * state.batch_sizes[1]  # and still balanced
 
 
 def test_per_rank_bounds_hold_a_rank_at_its_memory_limit(policy_path):

@@ -7,13 +7,14 @@ import pytest
 import torch
 from gymnasium.utils.env_checker import check_env
 
+from lightning_dynamix.control import PIDController
 from lightning_dynamix.metrics import GLOBAL_FEATURES, LOCAL_FEATURES
 from lightning_dynamix.rl import ClusterSimulator, Scenario, ScenarioSpace
 from lightning_dynamix.rl.env import DynamixEnv, RewardWeights
 from lightning_dynamix.rl.policy import ADJUSTMENTS, KEEP, RankPolicyNetwork, apply_adjustments
 from tests.unit.test_rl_simulator import two_ranks
 
-KEEP_ALL = np.full(8, KEEP)
+KEEP_ALL = np.full(1 + 8, KEEP)  # the job's action, then one per rank
 
 
 def test_the_env_passes_gymnasiums_checks():
@@ -34,64 +35,100 @@ def test_observations_are_the_cluster_states_encoding_padded_with_a_mask():
     assert info["scenario"].world_size == 2
 
 
-def test_actions_move_each_ranks_size_and_padding_actions_are_ignored():
+def test_keeping_every_proposal_is_the_pid_controller():
     env = DynamixEnv(two_ranks(), max_world_size=8)
     env.reset(seed=0)
-    action = np.array([4, 0, 4, 4, 0, 0, 4, 4])  # +25% for rank 0, -25% for rank 1, the rest is padding
+    pid = PIDController()
+    for _ in range(6):
+        expected = pid.decide(env.state).batch_sizes
+        env.step(KEEP_ALL)
+        assert env.sizes == expected
+    # rank 1 is 3x slower: the balancer has moved samples to rank 0 at the same global batch
+    assert env.sizes[0] > 2 * env.sizes[1]
+    assert sum(env.sizes) == 128
+
+
+def test_actions_adjust_the_balancers_proposal_and_padding_actions_are_ignored():
+    env = DynamixEnv(two_ranks(), max_world_size=8)
+    env.reset(seed=0)
+    proposal = PIDController().decide(env.state).batch_sizes
+    action = np.array([KEEP, 4, 0, 4, 4, 0, 0, 4, 4])  # +25% for rank 0, -25% for rank 1, the rest is padding
     env.step(action)
-    assert env.sizes == (80, 48)
-    assert env.state.batch_sizes == (80, 48)
+    assert env.sizes == (round(proposal[0] * 1.25), round(proposal[1] * 0.75))
+    assert env.state.batch_sizes == env.sizes
+
+
+def test_the_jobs_action_scales_the_global_batch_for_good():
+    env = DynamixEnv(two_ranks(), max_world_size=8)
+    env.reset(seed=0)
+    proposal = PIDController().decide(env.state).batch_sizes
+    env.step(np.array([3, *[KEEP] * 8]))  # the job's +10%
+    assert env.sizes == tuple(round(b * 1.1) for b in proposal)
+    # the balancer keeps the global batch the job ran at: it stays grown
+    grown = sum(env.sizes)
+    env.step(KEEP_ALL)
+    assert sum(env.sizes) == grown > 128
+    # the job's -10% and a rank's +10% compose
+    proposal = PIDController().decide(env.state).batch_sizes
+    env.step(np.array([1, 3, KEEP, *[KEEP] * 6]))
+    assert env.sizes[0] == round(proposal[0] * 0.9 * 1.1)
 
 
 def test_sizes_stay_within_the_scenarios_bounds():
     env = DynamixEnv(two_ranks(min_batch_size=60, max_batch_size=70), max_world_size=2)
     env.reset(seed=0)
-    env.step(np.array([4, 0]))
+    env.step(np.array([KEEP, 4, 0]))
     assert env.sizes == (70, 60)
 
 
 def test_apply_adjustments_moves_every_rank_at_least_one_sample():
-    assert apply_adjustments([3, 3, 3], [1, 2, 3], [1] * 3, [None] * 3) == (2, 3, 4)
-    assert apply_adjustments([100], [4], [1], [110]) == (110,)
+    assert apply_adjustments([3, 3, 3], [KEEP, 1, 2, 3], [1] * 3, [None] * 3) == (2, 3, 4)
+    assert apply_adjustments([3, 3], [3, KEEP, 1], [1] * 2, [None] * 2) == (4, 3)  # +10% -10%: nearly no change
+    assert apply_adjustments([100], [KEEP, 4], [1], [110]) == (110,)
     with pytest.raises(ValueError, match="an action must be an index in"):
-        apply_adjustments([3], [len(ADJUSTMENTS)], [1], [None])
+        apply_adjustments([3], [KEEP, len(ADJUSTMENTS)], [1], [None])
+    with pytest.raises(ValueError, match=r"got 1 actions \(1 for the job \+ 1 per rank\)"):
+        apply_adjustments([3], [KEEP], [1], [None])
 
 
-def test_balancing_the_slow_rank_earns_more_reward_than_keeping_equal_sizes():
+def test_balancing_the_slow_rank_earns_more_reward_than_undoing_the_balance():
     def total_reward(actions_for):
         env = DynamixEnv(two_ranks(), max_world_size=2, episode_intervals=8)
         env.reset(seed=0)
         rewards = [env.step(actions_for(env))[1] for _ in range(8)]
         return sum(rewards)
 
-    keep = total_reward(lambda env: np.array([KEEP, KEEP]))
-    # towards 3:1 (rank 1 is 3x slower), then keep
-    balance = total_reward(lambda env: np.array([4, 0]) if env.sizes[0] < 3 * env.sizes[1] else np.array([KEEP, KEEP]))
-    assert balance > 1.2 * keep
+    balanced = total_reward(lambda env: np.array([KEEP, KEEP, KEEP]))
+    # pushing the fast rank down and the slow one up every time, against the balancer
+    unbalanced = total_reward(lambda env: np.array([KEEP, 0, 4]))
+    assert balanced > 1.2 * unbalanced
 
 
 def test_reversing_a_change_costs_the_oscillation_penalty():
-    env = DynamixEnv(two_ranks(), max_world_size=2, reward_weights=RewardWeights(oscillation=1.0))
+    equal = two_ranks(compute_per_sample=(1e-3, 1e-3))  # the balancer keeps equal sizes
+    env = DynamixEnv(equal, max_world_size=2, reward_weights=RewardWeights(oscillation=1.0))
     env.reset(seed=0)
-    _, _, _, _, first = env.step(np.array([4, KEEP]))
-    _, _, _, _, back = env.step(np.array([0, KEEP]))
+    _, _, _, _, first = env.step(np.array([4, KEEP, KEEP]))  # the job's +25%
+    _, _, _, _, back = env.step(np.array([KEEP, 0, 0]))  # each rank's -25%
     assert first["reward_terms"]["oscillation"] == 0.0
-    # rank 0 went 64 -> 80 -> 60: a reversal of log2(60/80) on one rank of two
-    assert back["reward_terms"]["oscillation"] == pytest.approx(np.log2(60 / 80) / 2)
+    # both ranks went 64 -> 80 -> 60: a reversal of log2(60/80) on each
+    assert env.sizes == (60, 60)
+    assert back["reward_terms"]["oscillation"] == pytest.approx(np.log2(60 / 80))
 
 
 def test_breaking_a_memory_limit_is_penalised():
-    env = DynamixEnv(two_ranks(memory_limit=(1024, 70)), max_world_size=2, reward_weights=RewardWeights(memory=1.0))
+    # the balancer gives the fast rank 0 about 96 samples; the policy's +25% breaks its limit
+    env = DynamixEnv(two_ranks(memory_limit=(100, 1024)), max_world_size=2, reward_weights=RewardWeights(memory=1.0))
     env.reset(seed=0)
-    _, _, _, _, info = env.step(np.array([KEEP, 4]))
-    assert info["outcome"].out_of_memory == (1,)
+    _, _, _, _, info = env.step(np.array([KEEP, 4, KEEP]))
+    assert info["outcome"].out_of_memory == (0,)
     assert info["reward_terms"]["memory"] == pytest.approx(-0.5)
 
 
 def test_episodes_are_truncated_after_the_configured_number_of_decisions():
     env = DynamixEnv(two_ranks(), max_world_size=2, episode_intervals=3)
     env.reset(seed=0)
-    flags = [env.step(np.array([KEEP, KEEP]))[2:4] for _ in range(3)]
+    flags = [env.step(np.array([KEEP, KEEP, KEEP]))[2:4] for _ in range(3)]
     assert flags == [(False, False), (False, False), (False, True)]
 
 
@@ -120,14 +157,16 @@ def test_one_network_scores_any_number_of_ranks_and_treats_them_alike():
             "cluster": state.observation()["cluster"],
         }
         actions = network.act(obs)
-        assert actions.shape == (n,)
-    # permuting the ranks permutes their logits: the network has no notion of rank order
+        assert actions.shape == (1 + n,)
+    # permuting the ranks permutes their logits and leaves the job's: the network has no notion of rank order
     ranks = torch.randn(1, 5, len(LOCAL_FEATURES))
     cluster = torch.randn(1, len(GLOBAL_FEATURES))
     mask = torch.ones(1, 5)
     order = torch.tensor([3, 0, 4, 1, 2])
     logits = network.logits(ranks, cluster, mask)
-    torch.testing.assert_close(network.logits(ranks[:, order], cluster, mask), logits[:, order])
+    permuted = network.logits(ranks[:, order], cluster, mask)
+    torch.testing.assert_close(permuted[:, 1:], logits[:, 1:][:, order])
+    torch.testing.assert_close(permuted[:, 0], logits[:, 0])
 
 
 def test_padding_ranks_keep_their_size_and_change_nothing_for_the_real_ones():
@@ -138,7 +177,7 @@ def test_padding_ranks_keep_their_size_and_change_nothing_for_the_real_ones():
     padded = torch.cat([ranks, torch.randn(1, 5, len(LOCAL_FEATURES))], dim=1)
     mask = torch.tensor([[1.0] * 3 + [0.0] * 5])
     logits = network.logits(padded, cluster, mask)
-    torch.testing.assert_close(logits[:, :3], network.logits(ranks, cluster, torch.ones(1, 3)))
-    probabilities = torch.softmax(logits[0, 3:], dim=-1)
+    torch.testing.assert_close(logits[:, :4], network.logits(ranks, cluster, torch.ones(1, 3)))  # job + 3 ranks
+    probabilities = torch.softmax(logits[0, 4:], dim=-1)
     assert (probabilities[:, KEEP] > 1 - 1e-6).all()
     torch.testing.assert_close(network.value(padded, cluster, mask), network.value(ranks, cluster, torch.ones(1, 3)))

@@ -137,6 +137,16 @@ def test_task_network_shape() -> None:
     assert task.hparams.hidden == 16
 
 
+def test_the_transformer_reads_groups_of_features_as_tokens_and_learns_the_task() -> None:
+    task = ClassificationTask(num_features=12, num_classes=5, hidden=16, depth=1, architecture="transformer", seed=0)
+    assert task(torch.randn(7, 12)).shape == (7, 5)
+    assert task.network.position.shape == (3, 16)  # 12 features in tokens of 4
+    assert isinstance(task.network.encoder.layers[0], torch.nn.TransformerEncoderLayer)
+    chance = 1 / 10
+    accuracy = fit(batch_size=64, lr=0.003, epochs=6, architecture="transformer", hidden=32, optimizer="adam")
+    assert accuracy > chance + 0.3
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_configure_optimizers_uses_the_learning_rate(optimizer: str) -> None:
     task = ClassificationTask(lr=0.123, optimizer=optimizer, weight_decay=0.01)
@@ -242,6 +252,10 @@ def test_datamodule_rejects_bad_arguments(arguments: dict[str, Any], message: st
         ({"optimizer": "rmsprop"}, "`optimizer` must be 'sgd' or 'adam', got 'rmsprop'"),
         ({"weight_decay": -0.1}, "`weight_decay` must be a finite number >= 0.0"),
         ({"seed": -3}, "`seed`"),
+        ({"architecture": "cnn"}, "`architecture` must be 'mlp' or 'transformer', got 'cnn'"),
+        ({"architecture": "transformer", "depth": 0}, "`depth` must be an int >= 1"),
+        ({"architecture": "transformer", "num_features": 30}, r"`num_features` \(30\) must be a multiple of"),
+        ({"architecture": "transformer", "hidden": 30}, r"`hidden` \(30\) must be a multiple of 4"),
     ],
 )
 def test_task_rejects_bad_arguments(arguments: dict[str, Any], message: str) -> None:
