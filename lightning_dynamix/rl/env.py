@@ -18,9 +18,11 @@ Reward of an interval (documented in docs/controllers/ppo.md):
     - memory * fraction of ranks given more samples than fit in their memory
     - generalization * accuracy ceiling lost to this interval's batch / (best - target accuracy)
 
-The accuracy ceiling lost to an interval is ``generalization_gap x log2(B / B_noise)`` (0 for a
-global batch within the noise scale) times the interval's share of the progress a run needs to
-reach the target accuracy: the ceiling falls with the progress-weighted mean excess over the run.
+The accuracy ceiling lost to an interval's batch is ``generalization_gap x log2(B / B_noise)`` (0
+for a global batch within the noise scale): what the run would lose if it kept that batch. Its
+weight prices it in time to accuracy: with the target at 90% of the best accuracy, a ceiling lower
+by ``d`` makes a run need about ``4 d / best`` more of its progress, so a margin's worth of ceiling
+(``0.1 best``) costs about 40% of the run's time, 0.4 of an interval's goodput reward per interval.
 
 ``goodput`` is the interval's progress (ideal small-batch samples: throughput x statistical
 efficiency) per second; ``reference_goodput`` is what a perfectly balanced job at the initial
@@ -54,13 +56,12 @@ class RewardWeights:
     Attributes:
         oscillation: per unit of log2 batch change that reverses the previous change.
         memory: per fraction of ranks over their memory limit.
-        generalization: per loss of accuracy ceiling (this interval's part of it) equal to the margin
-            between best and target accuracy.
+        generalization: per loss of accuracy ceiling equal to the margin between best and target accuracy.
     """
 
     oscillation: float = 0.2
     memory: float = 1.0
-    generalization: float = 1.0
+    generalization: float = 0.4
 
     def __post_init__(self) -> None:
         for name in ("oscillation", "memory", "generalization"):
@@ -88,10 +89,7 @@ def interval_reward(
     global_batch = float(sum(outcome.batch_sizes))
     excess = max(0.0, math.log2(global_batch / outcome.noise_scale))
     margin = scenario.best_accuracy - scenario.target_accuracy
-    # the ceiling is the best accuracy less gap x the progress-weighted mean excess: this interval's
-    # part of it is its share of the progress a run makes until the target
-    share = outcome.progress / scenario.progress_to_target
-    generalization = scenario.generalization_gap * excess * share / margin if margin > 0 else 0.0
+    generalization = scenario.generalization_gap * excess / margin if margin > 0 else 0.0
     goodput = outcome.goodput / outcome.reference_goodput
     terms = {
         "goodput": goodput,

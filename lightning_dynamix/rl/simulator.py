@@ -172,12 +172,6 @@ class Scenario:
             return 0.0
         return 2.0 * (n - 1) / n * self.gradient_bytes / self.bandwidth + 2.0 * (n - 1) * self.latency
 
-    @property
-    def progress_to_target(self) -> float:
-        """Ideal small-batch samples of progress until ``target_accuracy`` at the best ceiling (inf at the best)."""
-        left = 1.0 - self.target_accuracy / self.best_accuracy
-        return -self.convergence_samples * math.log(left) if left > 0 else math.inf
-
     def own_time(self, batch_sizes: Sequence[float], speeds: Sequence[float] | None = None) -> np.ndarray:
         """Each rank's data wait plus compute per step at ``batch_sizes`` and speed multipliers, seconds (no jitter)."""
         b = np.asarray(batch_sizes, dtype=np.float64)
