@@ -46,6 +46,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timesteps", type=int, default=None, help="decision intervals to train on (preset's)")
     parser.add_argument("--seed", type=int, default=None, help="seed of PPO, the scenarios and the evaluation")
     parser.add_argument("--max-world-size", type=int, default=None, help="the most ranks the policy serves (64)")
+    parser.add_argument("--n-envs", type=int, default=None, help="simulated jobs stepped together (preset's: 8)")
+    parser.add_argument("--batch-size", type=int, default=None, help="PPO minibatch size (preset's: 512)")
+    parser.add_argument(
+        "--subprocesses", action="store_true", help="step the simulated jobs in their own processes (many cores)"
+    )
+    parser.add_argument("--device", default=None, help="where PPO's network trains: cpu (default) or cuda")
+    parser.add_argument("--init", default=None, help="continue training this policy file ('default': the shipped one)")
     parser.add_argument("--output", type=Path, default=Path("dynamix_runs/policy/policy.safetensors"))
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="CSV and TensorBoard logs (default: beside --output)"
@@ -57,7 +64,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> None:
     from lightning_dynamix.rl.train import train_policy
 
-    overrides: dict[str, Any] = {"timesteps": args.timesteps, "seed": args.seed}
+    overrides: dict[str, Any] = {
+        "timesteps": args.timesteps,
+        "seed": args.seed,
+        "n_envs": args.n_envs,
+        "batch_size": args.batch_size,
+        "device": args.device,
+        "subprocesses": True if args.subprocesses else None,
+    }
     if args.max_world_size is not None:
         if args.max_world_size < 1:
             raise SystemExit(f"dynamix train-policy: --max-world-size must be >= 1, got {args.max_world_size}")
@@ -74,6 +88,14 @@ def run_train(args: argparse.Namespace) -> None:
         raise SystemExit(f"dynamix train-policy: {error}") from None
     log_dir = args.log_dir or args.output.parent / "logs"
     print(f"training a policy ({args.preset}: {config.timesteps} intervals, up to {config.max_world_size} ranks)")
+    if args.init is not None:
+        from lightning_dynamix.rl.files import PolicyFileError
+        from lightning_dynamix.rl.train import initial_policy
+
+        try:
+            initial_policy(args.init, config)
+        except (ValueError, FileNotFoundError, PolicyFileError) as error:
+            raise SystemExit(f"dynamix train-policy: --init: {error}") from None
     path, record = train_policy(
         config,
         args.output,
@@ -81,6 +103,7 @@ def run_train(args: argparse.Namespace) -> None:
         progress_bar=not args.no_progress,
         evaluate=not args.no_evaluate,
         preset_name=args.preset,
+        init=args.init,
     )
     print(f"trained in {record['training_seconds']:.0f} s; mean episode reward {record['mean_episode_reward']}")
     if "evaluation" in record:

@@ -11,30 +11,30 @@ sizes the balancer proposes (:func:`~lightning_dynamix.rl.policy.balancer`: the 
 which equalises the ranks' own step times at the current global batch), clamped to the scenario's
 bounds; entries for padding ranks are ignored. Keeping everything is the PID controller.
 
-Reward of an interval (documented in docs/controllers/ppo.md):
+Reward: time to the target accuracy, handed out interval by interval. With ``R`` the progress the
+run still needs to reach its target accuracy (ideal small-batch samples, at its current accuracy
+ceiling: :attr:`ClusterSimulator.progress_to_target`), the reward of an interval is (documented in
+docs/controllers/ppo.md)::
 
-    goodput / reference_goodput
+    (R_before - R_after) / p0  -  elapsed / t0
     - oscillation * mean over ranks of |log2 change| where a rank's change reverses its previous one
     - memory * fraction of ranks given more samples than fit in their memory
-    - generalization * accuracy ceiling lost to this interval's batch / (best - target accuracy)
 
-The accuracy ceiling lost to an interval's batch is ``generalization_gap x log2(B / B_noise)`` (0
-for a global batch within the noise scale): what the run would lose if it kept that batch. Its
-weight prices it in time to accuracy: with the target at 90% of the best accuracy, a ceiling lower
-by ``d`` makes a run need about ``4 d / best`` more of its progress, so a margin's worth of ceiling
-(``0.1 best``) costs about 40% of the run's time, 0.4 of an interval's goodput reward per interval.
-
-``goodput`` is the interval's progress (ideal small-batch samples: throughput x statistical
-efficiency) per second; ``reference_goodput`` is what a perfectly balanced job at the initial
-sizes would make at the same speeds and noise scale, so a reward near 1 is "as good as perfect
-balancing at the starting batch" on every cluster. Episodes are truncated after
-``episode_intervals`` decisions; they never end on reaching the target, since a reward per unit of
-time would otherwise pay for training slowly.
+``p0`` and ``t0`` are the progress and the time of one interval of a perfectly balanced job at
+the start (initial sizes, starting speeds and noise scale), so the first two terms are intervals
+of progress made less intervals of time spent, both in that reference job's units. The episode
+ends when the target is reached, so over an episode they add up to
+``R_start / p0 - (time to target) / t0``: maximising the return is
+minimising the time to the target accuracy, exactly, and each interval is credited with its part
+of it at once (``-R / p0`` is a potential; Ng et al., 1999). A batch that lowers the accuracy
+ceiling raises ``R`` by the progress it will cost, so the generalisation cost of large batches is
+priced in time, not by a hand-set weight. ``R`` is capped at ``REMAINING_CAP`` times the
+scenario's ``convergence_samples`` (a ceiling at or below the target would make it infinite).
+Episodes that do not reach the target are truncated after ``episode_intervals`` decisions.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,23 +48,25 @@ from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES
 from lightning_dynamix.rl.policy import ADJUSTMENTS, apply_adjustments, balancer, padded_observation
 from lightning_dynamix.rl.simulator import ClusterSimulator, IntervalOutcome, Scenario, ScenarioSpace
 
+# the most progress to the target a reward counts, in units of the scenario's convergence_samples
+# (reaching 90% of the best accuracy needs about 2.3 of them)
+REMAINING_CAP = 10.0
+
 
 @dataclass(frozen=True)
 class RewardWeights:
-    """Weights of the reward's penalties (the goodput term has weight 1).
+    """Weights of the reward's penalties (the time-to-target terms have weight 1).
 
     Attributes:
         oscillation: per unit of log2 batch change that reverses the previous change.
         memory: per fraction of ranks over their memory limit.
-        generalization: per loss of accuracy ceiling equal to the margin between best and target accuracy.
     """
 
-    oscillation: float = 0.2
+    oscillation: float = 0.05
     memory: float = 1.0
-    generalization: float = 0.4
 
     def __post_init__(self) -> None:
-        for name in ("oscillation", "memory", "generalization"):
+        for name in ("oscillation", "memory"):
             require_number(name, getattr(self, name), 0.0)
 
 
@@ -74,30 +76,51 @@ def oscillation(change: np.ndarray, previous_change: np.ndarray) -> float:
     return float(np.abs(change)[reversed_change].sum()) / len(change)
 
 
+@dataclass(frozen=True)
+class RewardScale:
+    """The units of the time-to-target reward of one scenario.
+
+    Attributes:
+        progress: ``p0``: progress of one interval at the initial sizes and the starting noise
+            scale, ideal small-batch samples.
+        time: ``t0``: seconds a perfectly balanced job at the initial global batch takes for one
+            interval at the ranks' starting speeds.
+    """
+
+    progress: float
+    time: float
+
+    @classmethod
+    def of(cls, simulator: ClusterSimulator) -> RewardScale:
+        s = simulator.scenario
+        b0, global_batch = s.initial_batch_size, float(s.world_size * s.initial_batch_size)
+        samples = s.interval_steps * global_batch
+        progress = samples * s.noise_scale_start / (s.noise_scale_start + global_batch)
+        return cls(progress, samples / s.ideal_throughput([b0] * s.world_size, simulator.speed_multipliers(0.0)))
+
+
+def remaining_progress(simulator: ClusterSimulator) -> float:
+    """The progress to the target the reward counts: ``progress_to_target``, capped at ``REMAINING_CAP``."""
+    return min(simulator.progress_to_target, REMAINING_CAP * simulator.scenario.convergence_samples)
+
+
 def interval_reward(
-    scenario: Scenario,
+    scale: RewardScale,
     outcome: IntervalOutcome,
-    previous_sizes: Sequence[int],
-    sizes: Sequence[int],
+    remaining_before: float,
+    remaining_after: float,
+    change: np.ndarray,
     previous_change: np.ndarray,
     weights: RewardWeights,
-) -> tuple[float, dict[str, float], np.ndarray]:
-    """The reward of one interval, its terms, and each rank's log2 change (the next call's ``previous_change``)."""
-    n = scenario.world_size
-    change = np.log2(np.asarray(sizes, dtype=np.float64) / np.asarray(previous_sizes, dtype=np.float64))
-    memory = len(outcome.out_of_memory) / n
-    global_batch = float(sum(outcome.batch_sizes))
-    excess = max(0.0, math.log2(global_batch / outcome.noise_scale))
-    margin = scenario.best_accuracy - scenario.target_accuracy
-    generalization = scenario.generalization_gap * excess / margin if margin > 0 else 0.0
-    goodput = outcome.goodput / outcome.reference_goodput
+) -> tuple[float, dict[str, float]]:
+    """The reward of one interval and its terms; ``change`` is each rank's log2 change of batch into it."""
     terms = {
-        "goodput": goodput,
+        "progress": (remaining_before - remaining_after) / scale.progress,
+        "time": -outcome.elapsed / scale.time,
         "oscillation": -weights.oscillation * oscillation(change, previous_change),
-        "memory": -weights.memory * memory,
-        "generalization": -weights.generalization * generalization,
+        "memory": -weights.memory * len(outcome.out_of_memory) / len(change),
     }
-    return float(sum(terms.values())), terms, change
+    return float(sum(terms.values())), terms
 
 
 class DynamixEnv(gym.Env):
@@ -109,7 +132,8 @@ class DynamixEnv(gym.Env):
             ``ScenarioSpace()``.
         max_world_size: rank rows of the observation (and entries of the action); scenarios may
             have up to this many ranks.
-        episode_intervals: decisions per episode.
+        episode_intervals: the most decisions per episode (an episode ends earlier when the target
+            accuracy is reached).
         reward_weights: the penalties' weights.
         seed: seeds the scenario draws and the simulators (also settable through ``reset(seed=...)``).
     """
@@ -120,7 +144,7 @@ class DynamixEnv(gym.Env):
         self,
         scenarios: ScenarioSpace | Scenario | Sequence[Scenario] | None = None,
         max_world_size: int = 64,
-        episode_intervals: int = 64,
+        episode_intervals: int = 512,
         reward_weights: RewardWeights = RewardWeights(),
         seed: int | None = None,
     ) -> None:
@@ -183,6 +207,8 @@ class DynamixEnv(gym.Env):
         self.balancer = balancer()
         self._previous_change = np.zeros(scenario.world_size)
         self._intervals = 0
+        self.reward_scale = RewardScale.of(self.simulator)
+        self._remaining = remaining_progress(self.simulator)
         return padded_observation(self.state, self.max_world_size), {"scenario": scenario}
 
     def step(self, action: np.ndarray) -> tuple[dict, float, bool, bool, dict]:
@@ -194,11 +220,14 @@ class DynamixEnv(gym.Env):
         proposal = self.balancer.decide(self.state).batch_sizes
         sizes = apply_adjustments(proposal, np.asarray(action)[: 1 + n], [low] * n, [high] * n)
         self.state, outcome = simulator.run_interval(sizes)
-        reward, terms, self._previous_change = interval_reward(
-            simulator.scenario, outcome, self.sizes, sizes, self._previous_change, self.reward_weights
+        change = np.log2(np.asarray(sizes, dtype=np.float64) / np.asarray(self.sizes, dtype=np.float64))
+        remaining = remaining_progress(simulator)
+        reward, terms = interval_reward(
+            self.reward_scale, outcome, self._remaining, remaining, change, self._previous_change, self.reward_weights
         )
-        self.sizes = sizes
+        self._remaining, self._previous_change, self.sizes = remaining, change, sizes
         self._intervals += 1
-        truncated = self._intervals >= self.episode_intervals
+        terminated = outcome.accuracy >= simulator.scenario.target_accuracy
+        truncated = not terminated and self._intervals >= self.episode_intervals
         info = {"outcome": outcome, "reward_terms": terms}
-        return padded_observation(self.state, self.max_world_size), reward, False, truncated, info
+        return padded_observation(self.state, self.max_world_size), reward, terminated, truncated, info

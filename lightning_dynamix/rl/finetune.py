@@ -7,11 +7,17 @@ decision's state (:func:`measured_reward`). Every ``n_steps`` transitions stable
 PPO update runs on them (its ``RolloutBuffer``, GAE and clipped loss), and the job's next
 decisions use the updated weights.
 
-The reward of a real interval is the simulator's without the terms a real job cannot measure:
-throughput x statistical efficiency (``B_noise / (B_noise + B)``, with the measured noise scale)
-relative to the ideal throughput at the first global batch, less the oscillation penalty. A job
-never breaks a memory limit on purpose (an out-of-memory error ends it) and does not know its
-final accuracy, so those terms are absent.
+The reward of a real interval is the simulator's (:mod:`lightning_dynamix.rl.env`) as far as a job
+can measure it: progress made less time spent, each in units of a perfectly balanced step at the
+job's first global batch ``B0``. Per step, with ``e(B) = B_noise / (B_noise + B)`` the statistical
+efficiency at the measured noise scale (1 while it is unknown)::
+
+    B e(B) / (B0 e(B0))  -  step_time / (B0 / ideal_throughput)  -  oscillation penalty
+
+The reference is taken at the current noise scale and the ranks' current speeds (the simulator
+takes it at the start), since a real job never learns its starting speeds exactly. A job does not
+know its accuracy ceiling or target, and never breaks a memory limit on purpose (an out-of-memory
+error ends it), so those parts of the simulator's reward are absent.
 """
 
 from __future__ import annotations
@@ -42,14 +48,17 @@ def measured_reward(
     """
     sizes = np.asarray(state.batch_sizes, dtype=np.float64)
     change = np.log2(sizes / np.asarray(previous_sizes, dtype=np.float64))
-    ideal = state.ideal_throughput
+    ideal, step = state.ideal_throughput, state.step_time
     noise = state.gradient_noise_scale
-    if math.isfinite(noise) and noise > 0:
-        efficiency = (noise / (noise + state.global_batch)) / (noise / (noise + base_global_batch))
+    known = math.isfinite(noise) and noise > 0
+    efficiency = noise / (noise + state.global_batch) if known else 1.0
+    base_efficiency = noise / (noise + base_global_batch) if known else 1.0
+    if ideal > 0 and math.isfinite(ideal) and step > 0 and math.isfinite(step):
+        progress = state.global_batch * efficiency / (base_global_batch * base_efficiency)
+        measured = progress - step * ideal / base_global_batch
     else:
-        efficiency = 1.0
-    goodput = state.throughput * efficiency / ideal if ideal > 0 and math.isfinite(ideal) else 0.0
-    return goodput - weights.oscillation * oscillation(change, previous_change), change
+        measured = 0.0
+    return measured - weights.oscillation * oscillation(change, previous_change), change
 
 
 class OnlineFinetuner:
@@ -76,7 +85,7 @@ class OnlineFinetuner:
         learning_rate: float = 1e-4,
         n_epochs: int = 4,
         batch_size: int = 16,
-        gamma: float = 0.9,
+        gamma: float = 0.99,
         clip_range: float = 0.1,
         seed: int = 0,
         reward_weights: RewardWeights | None = None,

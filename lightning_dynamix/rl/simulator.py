@@ -431,6 +431,19 @@ class ClusterSimulator:
         s = self.scenario
         return self.accuracy_ceiling * (s.loss_start - self.loss) / (s.loss_start - s.loss_end)
 
+    @property
+    def progress_to_target(self) -> float:
+        """Ideal small-batch samples of progress still needed to reach ``target_accuracy`` at the current ceiling.
+
+        0 once the target is reached; ``inf`` while the ceiling is at or below the target.
+        """
+        s = self.scenario
+        ceiling = self.accuracy_ceiling
+        if ceiling <= s.target_accuracy:
+            return math.inf
+        needed = -s.convergence_samples * math.log(1.0 - s.target_accuracy / ceiling)
+        return max(0.0, needed - self._progress.progress)
+
     def bounds(self) -> tuple[int, int | None]:
         """``(min_batch_size, max_batch_size)`` a controller may choose within."""
         return self.scenario.min_batch_size, self.scenario.max_batch_size

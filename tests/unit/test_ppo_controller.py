@@ -274,3 +274,28 @@ def test_finetuning_needs_the_ppo_controller():
         PPOController(finetune_kwargs={"n_steps": 4})
     with pytest.raises(ValueError, match="must be <= `n_steps`"):
         PPOController(finetune=True, finetune_kwargs={"n_steps": 4, "batch_size": 8})
+
+
+def test_the_finetuning_reward_is_zero_for_a_balanced_step_at_the_first_batch_and_charges_waiting():
+    from lightning_dynamix.rl.env import RewardWeights
+    from lightning_dynamix.rl.finetune import measured_reward
+
+    def state(own_times, noise=float("nan")):
+        step = max(own_times)
+        workers = tuple(
+            WorkerMetrics(r, 32, data_time=0.0, compute_time=t, sync_wait=step - t, step_time=step)
+            for r, t in enumerate(own_times)
+        )
+        return ClusterState(workers, loss=1.0, gradient_noise_scale=noise)
+
+    def reward(s, base=64):
+        return measured_reward(s, (32, 32), np.zeros(2), base, RewardWeights())[0]
+
+    assert reward(state([0.1, 0.1])) == pytest.approx(0.0)
+    assert reward(state([0.1, 0.1], noise=64.0)) == pytest.approx(0.0)
+    # one rank twice as fast waits half of every step: the step takes 1.5 balanced steps' time
+    assert reward(state([0.05, 0.1])) == pytest.approx(1.0 - 1.5)
+    # a job at twice its first global batch: twice the samples in twice the time is worth nothing more,
+    # and less where the noise scale is small (each sample carries less progress)
+    assert reward(state([0.1, 0.1]), base=32) == pytest.approx(0.0)
+    assert reward(state([0.1, 0.1], noise=32.0), base=32) == pytest.approx(2 * (32 / 96) / (32 / 64) - 2.0)

@@ -132,6 +132,54 @@ def test_episodes_are_truncated_after_the_configured_number_of_decisions():
     assert flags == [(False, False), (False, False), (False, True)]
 
 
+def run_to_target(env, action, first=None, seed=0):
+    """One episode, ``first`` actions then ``action`` every decision: (return of the time terms, seconds, reached)."""
+    env.reset(seed=seed)
+    started, total, decisions = env.simulator.time, 0.0, list(first or [])
+    while True:
+        _, _, terminated, truncated, info = env.step(np.array(decisions.pop(0) if decisions else action))
+        total += info["reward_terms"]["progress"] + info["reward_terms"]["time"]
+        if terminated or truncated:
+            return total, info["outcome"].time - started, terminated
+
+
+def test_an_episode_ends_at_the_target_and_its_return_is_minus_the_time_to_it():
+    env = DynamixEnv(two_ranks(), max_world_size=2)
+    env.reset(seed=0)
+    remaining, scale = env._remaining, env.reward_scale
+    total, seconds, reached = run_to_target(env, np.array([KEEP, KEEP, KEEP]))
+    assert reached
+    assert env.simulator.accuracy >= env.scenario.target_accuracy
+    assert total == pytest.approx(remaining / scale.progress - seconds / scale.time, rel=1e-9)
+
+
+def test_runs_that_reach_the_target_sooner_have_higher_returns():
+    env = DynamixEnv(two_ranks(), max_world_size=2)
+    keep = [KEEP, KEEP, KEEP]
+    first_decisions = {  # then the balancer alone (pid)
+        "pid": [],
+        "global batch -25%": [[0, KEEP, KEEP]],
+        "global batch +25%": [[4, KEEP, KEEP]],
+        "global batch +95%": [[4, KEEP, KEEP]] * 3,
+    }
+    runs = {name: run_to_target(env, keep, first) for name, first in first_decisions.items()}
+    assert all(reached for _, _, reached in runs.values())
+    seconds = sorted(runs, key=lambda name: runs[name][1])
+    assert sorted(runs, key=lambda name: -runs[name][0]) == seconds
+    assert runs[seconds[-1]][1] > 1.05 * runs[seconds[0]][1]  # the runs differ
+
+
+def test_a_batch_that_costs_accuracy_ceiling_is_charged_the_progress_it_will_need():
+    # a noise scale far below the batch: growing the batch lowers the ceiling, so R grows
+    env = DynamixEnv(two_ranks(noise_scale_start=16.0, noise_scale_end=16.0, generalization_gap=0.03), max_world_size=2)
+    env.reset(seed=0)
+    _, _, _, _, info = env.step(np.array([4, KEEP, KEEP]))  # the job's +25%, beyond the noise scale
+    outcome = info["outcome"]
+    progress_only = outcome.progress / env.reward_scale.progress
+    assert outcome.accuracy_ceiling < env.scenario.best_accuracy
+    assert info["reward_terms"]["progress"] < progress_only
+
+
 def test_scenarios_larger_than_the_observation_are_refused():
     with pytest.raises(ValueError, match="raise max_world_size"):
         DynamixEnv(ScenarioSpace(world_sizes=(4, 16)), max_world_size=8)

@@ -81,3 +81,24 @@ def test_a_configuration_beyond_the_policys_size_is_refused():
         preset("tiny", max_world_size=8)
     with pytest.raises(ValueError, match="`preset` must be one of"):
         preset("huge")
+
+
+def test_training_can_continue_from_a_policy_file_and_keeps_its_record(tmp_path):
+    first, _ = train_policy(preset("tiny"), tmp_path / "first.safetensors", evaluate=False, preset_name="tiny")
+    config = preset("tiny", timesteps=128, n_steps=64, learning_rate=1e-12, seed=3)
+    second, record = train_policy(config, tmp_path / "second.safetensors", evaluate=False, init=first)
+    assert record["init"]["path"] == str(first)
+    assert record["init"]["training"]["preset"] == "tiny"
+    # at a vanishing learning rate the continued policy keeps the weights it started from
+    before, after = load_policy(first).network.state_dict(), load_policy(second).network.state_dict()
+    for name, tensor in before.items():
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_a_policy_file_of_another_shape_cannot_be_continued(tmp_path):
+    first, _ = train_policy(preset("tiny"), tmp_path / "first.safetensors", evaluate=False)
+    shapes = r"max_world_size, hidden, layers = \(64, 64, 2\), the configuration \(64, 32, 2\)"
+    with pytest.raises(ValueError, match=shapes):
+        train_policy(preset("tiny", hidden=32), tmp_path / "second.safetensors", evaluate=False, init=first)
+    with pytest.raises(ValueError, match="`device` must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+        preset("tiny", device="gpu")
