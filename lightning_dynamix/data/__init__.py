@@ -1,5 +1,12 @@
-"""Data: per-rank batch sampling over one global schedule, and built-in synthetic workloads."""
+"""Data: per-rank batch sampling over one global schedule, and built-in synthetic workloads (classification, CTR)."""
 
+from lightning_dynamix.data.ctr import (
+    CRITEO_LIKE_TABLE_SIZES,
+    CTRDataModule,
+    CTRSample,
+    CTRSpec,
+    SyntheticCTRDataset,
+)
 from lightning_dynamix.data.loader import HeterogeneousDataLoader
 from lightning_dynamix.data.sampler import EpochPermutation, HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import EpochSchedule, final_step_sizes, validate_batch_sizes
@@ -12,7 +19,11 @@ from lightning_dynamix.data.workloads import (
 )
 
 __all__ = [
+    "CRITEO_LIKE_TABLE_SIZES",
     "DEFAULT_TARGET_ACCURACY",
+    "CTRDataModule",
+    "CTRSample",
+    "CTRSpec",
     "ClassificationDataModule",
     "ClassificationTask",
     "EpochPermutation",
@@ -20,6 +31,7 @@ __all__ = [
     "GaussianMixtureClassificationDataset",
     "HeterogeneousBatchSampler",
     "HeterogeneousDataLoader",
+    "SyntheticCTRDataset",
     "SyntheticClassificationDataset",
     "final_step_sizes",
     "validate_batch_sizes",

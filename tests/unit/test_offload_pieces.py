@@ -1,0 +1,109 @@
+"""Row sharding, routing and the servers' sparse optimisers: the arithmetic the offload strategy relies on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_dynamix.offload import RowAdagrad, RowSGD, RowSharding, make_sparse_optimizer, route
+
+
+@pytest.mark.parametrize(("rows", "shards"), [(10, 1), (10, 3), (7, 4), (3, 5)])
+def test_every_row_lives_on_exactly_one_server_and_a_table_splits_and_joins_back(rows, shards):
+    sharding = RowSharding(rows, shards)
+    ids = torch.arange(rows)
+    shard, local = sharding.locate(ids)
+    assert sum(sharding.shard_rows(s) for s in range(shards)) == rows
+    for s in range(shards):
+        assert torch.equal(sharding.global_ids(s, local[shard == s]), ids[shard == s])
+        assert int((shard == s).sum()) == sharding.shard_rows(s)
+    table = torch.randn(rows, 4)
+    parts = sharding.split(table)
+    assert torch.equal(sharding.join(parts), table)
+
+
+def test_a_checkpointed_table_reshards_into_another_number_of_servers():
+    table = torch.randn(11, 3)
+    two = RowSharding(11, 2).split(table)
+    three = RowSharding(11, 3).split(RowSharding(11, 2).join(two))
+    assert torch.equal(RowSharding(11, 3).join(three), table)
+    with pytest.raises(ValueError, match="got 2 shards for a sharding over 3"):
+        RowSharding(11, 3).join(two)
+
+
+def test_a_batch_fetches_each_distinct_row_once_and_sums_the_gradients_of_duplicates():
+    sharding = RowSharding(20, 3)
+    table = torch.randn(20, 2)
+    shards = sharding.split(table)
+    ids = torch.tensor([[4, 7, 4], [19, 0, 7]])
+    plan = route(ids, sharding)
+    assert plan.unique.tolist() == [0, 4, 7, 19]
+    assert sum(len(r) for r in plan.shard_rows) == 4  # each distinct id once
+    fetched = plan.assemble([shards[s][plan.shard_rows[s]] for s in range(3)])
+    assert torch.equal(fetched[plan.inverse].reshape(2, 3, 2), table[ids])
+    grads = torch.ones(6, 2)
+    per_shard = plan.reduce(grads)
+    summed = plan.assemble(per_shard)
+    assert summed[:, 0].tolist() == [1.0, 2.0, 2.0, 1.0]  # ids 4 and 7 appear twice
+
+
+def test_an_id_outside_the_table_is_refused_naming_the_table_and_the_id():
+    with pytest.raises(ValueError, match=r"embedding 'C7': id 20 is outside \[0, 20\)"):
+        route(torch.tensor([3, 20]), RowSharding(20, 2), table="C7")
+    with pytest.raises(ValueError, match=r"embedding 'C7': id -1 is outside"):
+        route(torch.tensor([-1, 3]), RowSharding(20, 2), table="C7")
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "reference"),
+    [
+        ("sgd", {"lr": 0.02}, lambda p: torch.optim.SGD(p, lr=0.02)),
+        ("adagrad", {"lr": 0.3}, lambda p: torch.optim.Adagrad(p, lr=0.3)),
+        (
+            "adagrad",
+            {"lr": 0.3, "lr_decay": 0.1, "initial_accumulator_value": 0.2, "eps": 1e-6},
+            lambda p: torch.optim.Adagrad(p, lr=0.3, lr_decay=0.1, initial_accumulator_value=0.2, eps=1e-6),
+        ),
+    ],
+)
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_sharded_sparse_updates_match_torchs_optimizer_on_a_sparse_embedding(name, kwargs, reference, shards):
+    torch.manual_seed(0)
+    embedding = nn.Embedding(13, 4, sparse=True)
+    sharding = RowSharding(13, shards)
+    weights = sharding.split(embedding.weight.detach())
+    optimizer = make_sparse_optimizer(name, **kwargs)
+    states = [optimizer.init_state(w) for w in weights]
+    torch_optimizer = reference(embedding.parameters())
+    target = torch.randn(4)
+    for _ in range(5):
+        ids = torch.randint(0, 13, (6, 3))  # duplicates on purpose
+        # one process
+        torch_optimizer.zero_grad()
+        (embedding(ids) @ target).pow(2).sum().backward()
+        torch_optimizer.step()
+        # sharded: fetch, backward on the fetched rows, send per-row gradients back
+        plan = route(ids, sharding)
+        rows = plan.assemble([weights[s][plan.shard_rows[s]] for s in range(shards)]).requires_grad_()
+        (rows[plan.inverse].reshape(6, 3, 4) @ target).pow(2).sum().backward()
+        for s, grads in enumerate(_per_shard(plan, rows.grad)):
+            optimizer.step(weights[s], states[s], plan.shard_rows[s], grads)
+    torch.testing.assert_close(sharding.join(weights), embedding.weight.detach(), rtol=0, atol=1e-6)
+
+
+def _per_shard(plan, unique_grads):
+    return [unique_grads[positions] for positions in plan.shard_positions]
+
+
+def test_unknown_sparse_optimizers_and_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"`sparse_optimizer` must be one of \['adagrad', 'sgd'\]"):
+        make_sparse_optimizer("adamw")
+    with pytest.raises(ValueError, match="bad arguments"):
+        make_sparse_optimizer("sgd", momentum=0.9)
+    with pytest.raises(ValueError, match="`lr` must be a finite number > 0"):
+        RowSGD(lr=0)
+    with pytest.raises(ValueError, match="`eps` must be a finite number >= 0"):
+        RowAdagrad(eps=-1.0)
+    with pytest.raises(ValueError, match="`num_shards` must be an int >= 1, got 0"):
+        RowSharding(10, 0)
