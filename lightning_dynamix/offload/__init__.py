@@ -3,9 +3,11 @@
 This package holds the pieces the layer-offload strategy is built from: how a table's rows are
 split over servers (:class:`RowSharding`), how a batch's ids become one request per server
 (:func:`route`), and the optimisers a server applies to the rows a batch touched
-(:func:`make_sparse_optimizer`).
+(:func:`make_sparse_optimizer`), and what one server holds of a table
+(:class:`TableShard`, re-sharded for a checkpoint by :func:`reshard_states`).
 """
 
+from lightning_dynamix.offload.shard import TableShard, reshard_states
 from lightning_dynamix.offload.sharding import Route, RowSharding, route
 from lightning_dynamix.offload.sparse_optim import (
     SPARSE_OPTIMIZERS,
@@ -22,6 +24,8 @@ __all__ = [
     "RowSGD",
     "RowSharding",
     "SparseRowOptimizer",
+    "TableShard",
     "make_sparse_optimizer",
+    "reshard_states",
     "route",
 ]

@@ -107,3 +107,57 @@ def test_unknown_sparse_optimizers_and_bad_arguments_are_refused():
         RowAdagrad(eps=-1.0)
     with pytest.raises(ValueError, match="`num_shards` must be an int >= 1, got 0"):
         RowSharding(10, 0)
+
+
+def _train(shards, sharding, ids_per_step, target):
+    """Steps of the sharded table: fetch, backward on the fetched rows, every shard updated (maybe with no rows)."""
+    for ids in ids_per_step:
+        plan = route(ids, sharding)
+        rows = plan.assemble([shards[s].lookup(plan.shard_rows[s]) for s in range(sharding.num_shards)])
+        rows.requires_grad_()
+        (rows[plan.inverse].reshape(*ids.shape, -1) @ target).pow(2).sum().backward()
+        for s, grads in enumerate(_per_shard(plan, rows.grad)):
+            shards[s].update(plan.shard_rows[s], grads)
+
+
+def test_a_checkpoint_resumes_on_another_number_of_servers_and_training_continues_identically():
+    from lightning_dynamix.offload import TableShard, reshard_states
+
+    torch.manual_seed(0)
+    embedding = nn.Embedding(17, 4, sparse=True)
+    reference = torch.optim.Adagrad(embedding.parameters(), lr=0.3, lr_decay=0.05, initial_accumulator_value=0.1)
+    target = torch.randn(4)
+    steps = [torch.randint(0, 17, (5, 2)) for _ in range(6)]
+    optimizer = make_sparse_optimizer("adagrad", lr=0.3, lr_decay=0.05, initial_accumulator_value=0.1)
+
+    two = RowSharding(17, 2)
+    shards = [TableShard("C1", two, s, w, optimizer) for s, w in enumerate(two.split(embedding.weight.detach()))]
+    _train(shards, two, steps[:3], target)
+    saved = [shard.state_dict() for shard in reversed(shards)]  # any order
+
+    three = RowSharding(17, 3)
+    states = reshard_states(saved, 3, optimizer.row_state_keys())
+    resumed = [TableShard("C1", three, s, torch.zeros(three.shard_rows(s), 4), optimizer) for s in range(3)]
+    for shard, state in zip(resumed, states):
+        shard.load_state_dict(state)
+    _train(resumed, three, steps[3:], target)
+
+    for ids in steps:
+        reference.zero_grad()
+        (embedding(ids) @ target).pow(2).sum().backward()
+        reference.step()
+    torch.testing.assert_close(three.join([s.weight for s in resumed]), embedding.weight.detach(), rtol=0, atol=1e-6)
+
+
+def test_shard_states_that_do_not_fit_are_refused():
+    from lightning_dynamix.offload import TableShard, reshard_states
+
+    optimizer = make_sparse_optimizer("sgd", lr=0.1)
+    two = RowSharding(9, 2)
+    shards = [TableShard("C2", two, s, w, optimizer) for s, w in enumerate(two.split(torch.randn(9, 3)))]
+    with pytest.raises(ValueError, match=r"split over 2 shards; got the states of shards \[1\]"):
+        reshard_states([shards[1].state_dict()], 3, ())
+    with pytest.raises(ValueError, match="re-shard it first with reshard_states"):
+        shards[0].load_state_dict(shards[1].state_dict())
+    with pytest.raises(ValueError, match=r"`weight` must have 5 rows and 2 dimensions, got shape \(4, 3\)"):
+        TableShard("C2", two, 0, torch.randn(4, 3), optimizer)
