@@ -11,6 +11,7 @@ so it is split and joined with the weights when a checkpoint is re-sharded.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from lightning_dynamix._checks import require_number
 
 
-class SparseRowOptimizer:
+class SparseRowOptimizer(ABC):
     """Updates rows of one table shard in place. Subclasses set :attr:`name` and define :meth:`step`."""
 
     name = ""
@@ -31,9 +32,9 @@ class SparseRowOptimizer:
         """The entries of the state that are per row (split and joined with the weights on re-sharding)."""
         return ()
 
+    @abstractmethod
     def step(self, weight: torch.Tensor, state: dict[str, Any], rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Apply one update to ``weight[rows]`` from ``grads`` (one per row, rows distinct)."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
