@@ -88,12 +88,13 @@ def run_train(args: argparse.Namespace) -> None:
         raise SystemExit(f"dynamix train-policy: {error}") from None
     log_dir = args.log_dir or args.output.parent / "logs"
     print(f"training a policy ({args.preset}: {config.timesteps} intervals, up to {config.max_world_size} ranks)")
+    start = None
     if args.init is not None:
         from lightning_dynamix.rl.files import PolicyFileError
         from lightning_dynamix.rl.train import initial_policy
 
         try:
-            initial_policy(args.init, config)
+            start = initial_policy(args.init, config)
         except (ValueError, FileNotFoundError, PolicyFileError) as error:
             raise SystemExit(f"dynamix train-policy: --init: {error}") from None
     path, record = train_policy(
@@ -103,7 +104,7 @@ def run_train(args: argparse.Namespace) -> None:
         progress_bar=not args.no_progress,
         evaluate=not args.no_evaluate,
         preset_name=args.preset,
-        init=args.init,
+        init=start,
     )
     print(f"trained in {record['training_seconds']:.0f} s; mean episode reward {record['mean_episode_reward']}")
     if "evaluation" in record:

@@ -65,7 +65,7 @@ class TableShard:
             "shard": self.shard,
             "optimizer": self.optimizer.name,
             "weight": self.weight.detach().clone(),
-            "state": {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.state.items()},
+            "state": _copied(self.state),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -78,7 +78,11 @@ class TableShard:
                 " re-shard it first with reshard_states()"
             )
         self.weight.copy_(state_dict["weight"])
-        self.state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state_dict["state"].items()}
+        self.state = _copied(state_dict["state"])
+
+
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
 
 
 def reshard_states(states: Sequence[dict[str, Any]], num_shards: int, row_keys: Sequence[str]) -> list[dict[str, Any]]:

@@ -90,14 +90,13 @@ class Route:
             out[positions] = values
         return out
 
-    def reduce(self, row_grads: torch.Tensor) -> list[torch.Tensor]:
-        """Per server, the gradient of each of its rows: a batch's gradients per id summed over duplicates.
+    def split(self, unique_values: torch.Tensor) -> list[torch.Tensor]:
+        """Per server, the entries of ``unique_values`` (one per id of ``unique``) for the rows it holds.
 
-        ``row_grads`` holds one gradient per id of the batch (flattened), in batch order.
+        With the batch's embeddings built as ``assemble(...)[inverse]``, autograd sums the gradients
+        of duplicate ids into the gradient of the assembled rows; this splits that per server.
         """
-        summed = row_grads.new_zeros((len(self.unique), *row_grads.shape[1:]))
-        summed.index_add_(0, self.inverse, row_grads)
-        return [summed[positions] for positions in self.shard_positions]
+        return [unique_values[positions] for positions in self.shard_positions]
 
 
 def route(ids: torch.Tensor, sharding: RowSharding, table: str = "table") -> Route:

@@ -2,7 +2,7 @@
 
 A server holds its shard of a table and the optimiser's state for those rows; each update brings
 one gradient per distinct row (duplicates in the batch already summed, see
-:meth:`~lightning_dynamix.offload.sharding.Route.reduce`), and only those rows and their state
+:meth:`~lightning_dynamix.offload.sharding.Route.split`), and only those rows and their state
 change. The arithmetic is exactly that of torch's own optimisers on an ``nn.Embedding(...,
 sparse=True)`` (``torch.optim.SGD``, ``torch.optim.Adagrad``), so a table trained on servers ends
 where the same table trained in one process does. Per-row state has the rows along dimension 0,

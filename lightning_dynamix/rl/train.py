@@ -158,7 +158,7 @@ def train_policy(
     progress_bar: bool = False,
     evaluate: bool = True,
     preset_name: str | None = None,
-    init: str | Path | None = None,
+    init: str | Path | PolicyFile | None = None,
 ) -> tuple[Path, dict[str, Any]]:
     """Train a policy with PPO, evaluate it, write the policy file.
 
@@ -169,7 +169,7 @@ def train_policy(
         progress_bar: show a progress bar on standard error.
         evaluate: compare the trained policy with static, pid and goodput on held-out scenarios.
         preset_name: recorded in the file's metadata.
-        init: a policy file to start from (``"default"``: the shipped one) instead of an untrained
+        init: a policy file (or one loaded) to start from (``"default"``: the shipped one) instead of an untrained
             network: training continues from its weights (actor and critic), and its own training
             record is kept in the new file's under ``"init"``. It must have the configuration's
             ``max_world_size``, ``hidden`` and ``layers``.
@@ -237,18 +237,18 @@ def train_policy(
         "mean_episode_reward": _mean_episode_reward(model),
     }
     if start is not None:
-        record["init"] = {"path": str(start.path), "training": start.training}
+        record["init"] = {"path": None if start.path is None else str(start.path), "training": start.training}
     policy = PolicyFile(network=network, max_world_size=config.max_world_size, training=record)
     if evaluate and config.evaluation_scenarios > 0:
         record["evaluation"] = evaluate_policy(policy, held_out_scenarios(config), seed=config.seed)
     return save_policy(policy, output), record
 
 
-def initial_policy(init: str | Path | None, config: TrainingConfig) -> PolicyFile | None:
-    """The policy file training starts from, checked against ``config``; ``None`` for a fresh network."""
+def initial_policy(init: str | Path | PolicyFile | None, config: TrainingConfig) -> PolicyFile | None:
+    """The policy training starts from, loaded and checked against ``config``; ``None`` for a fresh network."""
     if init is None:
         return None
-    start = load_policy(init)
+    start = init if isinstance(init, PolicyFile) else load_policy(init)
     mine = (config.max_world_size, config.hidden, config.layers)
     theirs = (start.max_world_size, start.network.hidden, start.network.layers)
     if mine != theirs:

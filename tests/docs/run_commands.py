@@ -35,7 +35,7 @@ LONG: dict[str, str] = {
     "dynamix demo": "about 90 s; tests/cli/test_cli.py runs a 1-epoch demo",
     "dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
     ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
-    ".venv/bin/dynamix train-policy --preset default": "about 30 minutes; the docs train a tiny policy",
+    ".venv/bin/dynamix train-policy --preset default": "about 35 minutes; the docs train a tiny policy",
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
 }
 

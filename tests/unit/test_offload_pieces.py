@@ -42,10 +42,11 @@ def test_a_batch_fetches_each_distinct_row_once_and_sums_the_gradients_of_duplic
     assert sum(len(r) for r in plan.shard_rows) == 4  # each distinct id once
     fetched = plan.assemble([shards[s][plan.shard_rows[s]] for s in range(3)])
     assert torch.equal(fetched[plan.inverse].reshape(2, 3, 2), table[ids])
-    grads = torch.ones(6, 2)
-    per_shard = plan.reduce(grads)
-    summed = plan.assemble(per_shard)
-    assert summed[:, 0].tolist() == [1.0, 2.0, 2.0, 1.0]  # ids 4 and 7 appear twice
+    rows = fetched.clone().requires_grad_()
+    rows[plan.inverse].sum().backward()  # every id of the batch contributes a gradient of ones
+    per_shard = plan.split(rows.grad)
+    assert [len(g) for g in per_shard] == [len(r) for r in plan.shard_rows]
+    assert plan.assemble(per_shard)[:, 0].tolist() == [1.0, 2.0, 2.0, 1.0]  # ids 4 and 7 appear twice
 
 
 def test_an_id_outside_the_table_is_refused_naming_the_table_and_the_id():
@@ -87,13 +88,9 @@ def test_sharded_sparse_updates_match_torchs_optimizer_on_a_sparse_embedding(nam
         plan = route(ids, sharding)
         rows = plan.assemble([weights[s][plan.shard_rows[s]] for s in range(shards)]).requires_grad_()
         (rows[plan.inverse].reshape(6, 3, 4) @ target).pow(2).sum().backward()
-        for s, grads in enumerate(_per_shard(plan, rows.grad)):
+        for s, grads in enumerate(plan.split(rows.grad)):
             optimizer.step(weights[s], states[s], plan.shard_rows[s], grads)
     torch.testing.assert_close(sharding.join(weights), embedding.weight.detach(), rtol=0, atol=1e-6)
-
-
-def _per_shard(plan, unique_grads):
-    return [unique_grads[positions] for positions in plan.shard_positions]
 
 
 def test_unknown_sparse_optimizers_and_bad_arguments_are_refused():
@@ -116,7 +113,7 @@ def _train(shards, sharding, ids_per_step, target):
         rows = plan.assemble([shards[s].lookup(plan.shard_rows[s]) for s in range(sharding.num_shards)])
         rows.requires_grad_()
         (rows[plan.inverse].reshape(*ids.shape, -1) @ target).pow(2).sum().backward()
-        for s, grads in enumerate(_per_shard(plan, rows.grad)):
+        for s, grads in enumerate(plan.split(rows.grad)):
             shards[s].update(plan.shard_rows[s], grads)
 
 
