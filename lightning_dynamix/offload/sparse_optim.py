@@ -115,3 +115,40 @@ def make_sparse_optimizer(name: str | SparseRowOptimizer, **kwargs: Any) -> Spar
         return SPARSE_OPTIMIZERS[name](**kwargs)
     except TypeError as error:
         raise ValueError(f"bad arguments {kwargs} for sparse optimizer {name!r}: {error}") from None
+
+
+class FrozenRows(SparseRowOptimizer):
+    """No optimiser: tables served for evaluation only (``validate``, ``test``, ``predict``)."""
+
+    name = "frozen"
+
+    def step(self, weight: torch.Tensor, state: dict[str, Any], rows: torch.Tensor, grads: torch.Tensor) -> None:
+        raise RuntimeError("these embedding tables are served for evaluation only; nothing may update them")
+
+
+def sparse_counterpart(optimizer: torch.optim.Optimizer) -> SparseRowOptimizer:
+    """The sparse optimiser doing to the touched rows what ``optimizer`` does to a dense table.
+
+    Raises:
+        ValueError: for an optimiser, or settings (momentum, weight decay, ...), with no exact
+            row-wise counterpart.
+    """
+    group = optimizer.param_groups[0]
+    kind = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.SGD):
+        unsupported = {k: group[k] for k in ("momentum", "weight_decay") if group.get(k)}
+        unsupported |= {k: group[k] for k in ("nesterov", "maximize") if group.get(k)}
+        if not unsupported:
+            return RowSGD(lr=float(group["lr"]))
+    elif isinstance(optimizer, torch.optim.Adagrad):
+        unsupported = {k: group[k] for k in ("weight_decay", "maximize") if group.get(k)}
+        if not unsupported:
+            return RowAdagrad(
+                lr=float(group["lr"]),
+                lr_decay=group["lr_decay"],
+                initial_accumulator_value=group["initial_accumulator_value"],
+                eps=group["eps"],
+            )
+    else:
+        raise ValueError(f"the LightningModule's optimizer is {kind}, which has no sparse counterpart here")
+    raise ValueError(f"the LightningModule's {kind} uses {unsupported}, which its sparse counterpart does not support")

@@ -1,0 +1,248 @@
+"""The trainer's side of layer offload: remote embedding modules and their connection to the servers.
+
+:class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag` take the place of a LightningModule's
+``nn.Embedding`` / ``nn.EmbeddingBag`` and behave like them in ``forward``: the batch's ids are
+deduplicated and routed row-wise to the servers (:func:`~lightning_dynamix.offload.route`), the
+distinct rows come back as one leaf tensor, and the module's own functional form
+(``F.embedding`` / ``F.embedding_bag``) runs on those rows, so padding, bag modes, per-sample
+weights and ``scale_grad_by_freq`` mean what they always did. After the backward pass the leaf's
+gradient holds exactly the summed gradient of every distinct row; :meth:`EmbeddingClient.push`
+sends it to the servers at the optimiser step.
+
+All communication is ``torch.distributed.rpc``. A server that dies or stops answering raises
+:class:`EmbeddingServerError` on the trainers, naming the server and what was asked of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dynamix.offload import server as remote
+from lightning_dynamix.offload.server import TableSpec, server_name
+from lightning_dynamix.offload.sharding import Route, RowSharding, route
+
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+
+
+class EmbeddingServerError(RuntimeError):
+    """An embedding server failed, or did not answer within the timeout."""
+
+
+@dataclass
+class _Lookup:
+    table: str
+    route: Route
+    rows: Tensor  # the leaf the batch's embeddings are computed from
+
+
+class EmbeddingClient:
+    """One trainer rank's connection to the embedding servers of a job.
+
+    Args:
+        trainer_rank: this trainer's rank among the trainers.
+        num_servers: embedding servers of the job.
+        timeout_s: how long any answer may take, in seconds.
+    """
+
+    def __init__(self, trainer_rank: int, num_servers: int, timeout_s: float) -> None:
+        self.trainer_rank = trainer_rank
+        self.num_servers = num_servers
+        self.timeout_s = timeout_s
+        self.step = 0  # the training step lookups are for; advanced by every push
+        self._recorded: list[_Lookup] = []
+        self._pushes: list[tuple[int, torch.futures.Future]] = []
+
+    def _call(self, server: int, function: Any, *args: Any) -> torch.futures.Future:
+        try:
+            return rpc.rpc_async(server_name(server), function, args=args, timeout=self.timeout_s)
+        except RuntimeError as error:
+            raise self._error(server, function, error) from error
+
+    def _wait(self, server: int, function: Any, future: torch.futures.Future) -> Any:
+        try:
+            return future.wait()
+        except RuntimeError as error:
+            raise self._error(server, function, error) from error
+
+    def _error(self, server: int, function: Any, error: BaseException) -> EmbeddingServerError:
+        what = function.__name__.removeprefix("remote_")
+        return EmbeddingServerError(
+            f"embedding server {server} ({server_name(server)}) failed or did not answer within"
+            f" {self.timeout_s:.0f} s ({what} from trainer {self.trainer_rank}, step {self.step}): {error}."
+            " A run cannot go on without one of its servers: restart it from its last checkpoint."
+        )
+
+    def _all(self, function: Any, *args: Any) -> list[Any]:
+        futures = [self._call(server, function, *args) for server in range(self.num_servers)]
+        return [self._wait(server, function, future) for server, future in enumerate(futures)]
+
+    # set-up and whole tables ------------------------------------------------------------------------
+
+    def create_table(self, spec: TableSpec, weight: Tensor | None) -> None:
+        """Give every server its shard of a table: of ``weight``, or (None) initialised there."""
+        sharding = RowSharding(spec.num_rows, self.num_servers)
+        shards = None if weight is None else sharding.split(weight.detach().cpu())
+        futures = [
+            self._call(server, remote.remote_create_table, spec, None if shards is None else shards[server])
+            for server in range(self.num_servers)
+        ]
+        for server, future in enumerate(futures):
+            self._wait(server, remote.remote_create_table, future)
+
+    def table(self, name: str, num_rows: int) -> Tensor:
+        """The whole current table ``name``, gathered from its servers (on the CPU)."""
+        return RowSharding(num_rows, self.num_servers).join(self._all(remote.remote_rows, name))
+
+    def save(self, directory: Path) -> list[str]:
+        """Every server writes its shards under ``directory``; the file names, in server order."""
+        names = [f"server-{server}-of-{self.num_servers}.pt" for server in range(self.num_servers)]
+        futures = [self._call(server, remote.remote_save, str(directory / name)) for server, name in enumerate(names)]
+        for server, future in enumerate(futures):
+            self._wait(server, remote.remote_save, future)
+        return names
+
+    def load(self, paths: Sequence[Path]) -> None:
+        """Every server restores its shards from the files of a checkpoint's servers (any number)."""
+        self._all(remote.remote_load, [str(path) for path in paths])
+        self.step = 0
+
+    # the step protocol -------------------------------------------------------------------------------
+
+    def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
+        """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.
+
+        In training the rows are those step :attr:`step` must see, and, where autograd is on, a
+        leaf whose gradient :meth:`push` sends; otherwise the servers' current rows.
+        """
+        plan = route(ids.detach().cpu(), sharding, table)
+        step = self.step if training else None
+        futures = {
+            server: self._call(server, remote.remote_lookup, table, step, rows)
+            for server, rows in enumerate(plan.shard_rows)
+            if len(rows)
+        }
+        values = [
+            self._wait(server, remote.remote_lookup, futures[server])
+            if server in futures
+            else torch.empty((0, dim), dtype=torch.float32)
+            for server in range(self.num_servers)
+        ]
+        rows = plan.assemble(values).to(ids.device)
+        if training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._recorded.append(_Lookup(table, plan, rows))
+        return rows, plan
+
+    def push(self) -> bool:
+        """Send this step's row gradients to the servers (without waiting); False when there were none."""
+        self._check_pushes()
+        if not self._recorded:
+            return False
+        per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]
+        for lookup in self._recorded:
+            grad = lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
+            for server, grads in enumerate(lookup.route.split(grad.detach().cpu())):
+                rows, values = per_server[server].setdefault(lookup.table, ([], []))
+                rows.append(lookup.route.shard_rows[server])
+                values.append(grads)
+        self._recorded.clear()
+        for server, tables in enumerate(per_server):
+            payload = {name: (torch.cat(rows), torch.cat(values)) for name, (rows, values) in tables.items()}
+            self._pushes.append((server, self._call(server, remote.remote_push, self.trainer_rank, self.step, payload)))
+        self.step += 1
+        return True
+
+    def _check_pushes(self, wait: bool = False) -> None:
+        pending = []
+        for server, future in self._pushes:
+            if wait or future.done():
+                self._wait(server, remote.remote_push, future)
+            else:
+                pending.append((server, future))
+        self._pushes = pending
+
+    def flush(self) -> None:
+        """Return once every server has applied every update up to the last step pushed by any trainer."""
+        self._recorded.clear()  # rows looked up but never trained (a step that was skipped)
+        self._check_pushes(wait=True)
+        self._all(remote.remote_flush, self.step - 1)
+
+    def finish(self) -> None:
+        """Tell every server this trainer is done with it."""
+        self._all(remote.remote_finish, self.trainer_rank)
+
+
+class _RemoteTable(nn.Module):
+    def __init__(self, client: EmbeddingClient, table: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
+        super().__init__()
+        if module.max_norm is not None:
+            raise ValueError(
+                f"embedding {table!r} has max_norm={module.max_norm}, which renormalises rows in place"
+                " during the forward pass; a remote table cannot do that: leave it out of `offload`"
+            )
+        self.client = client
+        self.table = table
+        self.num_embeddings = module.num_embeddings
+        self.embedding_dim = module.embedding_dim
+        self.padding_idx = module.padding_idx
+        self.scale_grad_by_freq = module.scale_grad_by_freq
+        self.sharding = RowSharding(module.num_embeddings, client.num_servers)
+
+    def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor, int | None]:
+        rows, plan = self.client.fetch(self.table, self.sharding, self.embedding_dim, ids, self.training)
+        inverse = plan.inverse.to(ids.device).reshape(ids.shape)
+        padding = None
+        if self.padding_idx is not None:
+            where = torch.nonzero(plan.unique == self.padding_idx)
+            padding = int(where[0, 0]) if len(where) else None
+        return rows, inverse, padding
+
+    def extra_repr(self) -> str:
+        return f"{self.table!r}, {self.num_embeddings}, {self.embedding_dim}, servers={self.client.num_servers}"
+
+
+class RemoteEmbedding(_RemoteTable):
+    """An ``nn.Embedding`` whose rows live on the embedding servers."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        rows, inverse, padding = self._rows(input)
+        return F.embedding(inverse, rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
+
+
+class RemoteEmbeddingBag(_RemoteTable):
+    """An ``nn.EmbeddingBag`` whose rows live on the embedding servers."""
+
+    def __init__(self, client: EmbeddingClient, table: str, module: nn.EmbeddingBag) -> None:
+        super().__init__(client, table, module)
+        self.mode = module.mode
+        self.include_last_offset = module.include_last_offset
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None) -> Tensor:
+        rows, inverse, padding = self._rows(input)
+        return F.embedding_bag(
+            inverse,
+            rows,
+            offsets,
+            scale_grad_by_freq=self.scale_grad_by_freq,
+            mode=self.mode,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=padding,
+        )
+
+
+def remote_module(client: EmbeddingClient, table: str, module: nn.Module) -> _RemoteTable:
+    """The remote stand-in for embedding module ``module`` (named ``table``)."""
+    if isinstance(module, nn.EmbeddingBag):
+        return RemoteEmbeddingBag(client, table, module)
+    if isinstance(module, nn.Embedding):
+        return RemoteEmbedding(client, table, module)
+    raise TypeError(f"{table!r} is a {type(module).__name__}, not an nn.Embedding or nn.EmbeddingBag")

@@ -1,0 +1,317 @@
+"""An embedding server: its shards of the offloaded tables, and the step protocol with the trainers.
+
+Every trainer rank, at training step ``k``, looks up the rows its batch needs, computes, and then
+pushes the gradients of those rows (one push per server per step, covering every table it looked
+up). A server applies update ``k`` once every trainer has pushed step ``k``: the trainers'
+gradients are averaged, as DDP averages the dense ones, duplicate rows summed, and the sparse
+optimiser applied once per table.
+
+``staleness`` bounds how old the rows a lookup sees may be, as in PERSIA, and makes it exact, so
+a run is reproducible: a lookup for step ``k`` sees the table after update ``k - 1 - staleness``
+and no later one. With ``staleness=0`` training is synchronous: equal to one process. With
+``staleness=1`` a lookup for step ``k + 1`` is answered before update ``k`` is applied, so the
+update overlaps the trainers' next step instead of delaying it.
+
+:class:`EmbeddingServer` is the state and the protocol, thread-safe and free of any transport: the
+functions at the bottom expose the one instance of a server process to ``torch.distributed.rpc``
+(see :mod:`lightning_dynamix.serve`). Answers that must wait are ``torch.futures.Future``, so no
+RPC thread blocks while a lookup waits for an update.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed.rpc
+from torch.futures import Future
+
+from lightning_dynamix._checks import require_int
+from lightning_dynamix.offload.shard import TableShard, reshard_states
+from lightning_dynamix.offload.sharding import RowSharding
+from lightning_dynamix.offload.sparse_optim import SparseRowOptimizer
+
+# what one trainer pushes to one server for one step: per table, the local rows and their gradients
+Push = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a server needs to create its shard of a table.
+
+    Attributes:
+        name: the embedding module's name in the LightningModule.
+        num_rows: rows of the whole table.
+        dim: values per row.
+        optimizer: the sparse optimiser of the table.
+        init_seed: when the trainers send no initial rows (a table built on the meta device), the
+            seed of the server's own ``N(0, 1)`` initialisation; ``padding_idx`` is then zeroed.
+        padding_idx: the row kept at zero by such an initialisation, or None.
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    optimizer: SparseRowOptimizer
+    init_seed: int = 0
+    padding_idx: int | None = None
+
+
+class EmbeddingServer:
+    """One server's shards, applying each step's update once every trainer has pushed it.
+
+    Args:
+        server_rank: which server this is (``0 .. num_servers - 1``).
+        num_servers: servers the tables are sharded over.
+        num_trainers: trainer ranks that push every step.
+        staleness: updates a lookup may miss (0: synchronous).
+    """
+
+    def __init__(self, server_rank: int, num_servers: int, num_trainers: int, staleness: int = 0) -> None:
+        self.num_servers = require_int("num_servers", num_servers, 1)
+        if not 0 <= require_int("server_rank", server_rank, 0) < num_servers:
+            raise ValueError(f"`server_rank` must be in [0, {num_servers}), got {server_rank}")
+        self.server_rank = server_rank
+        self.num_trainers = require_int("num_trainers", num_trainers, 1)
+        self.staleness = require_int("staleness", staleness, 0)
+        self.tables: dict[str, TableShard] = {}
+        self._lock = threading.Lock()
+        self.last_request = time.monotonic()  # for a server process to notice trainers that died
+        self._reset_steps()
+
+    def _reset_steps(self) -> None:
+        self.applied = -1  # the last update applied
+        self._pushes: dict[int, dict[int, Push]] = {}  # step -> trainer -> push
+        self._pushed = [-1] * self.num_trainers  # the last step each trainer pushed
+        self._forced = -1  # updates up to this one are applied regardless of staleness (a flush)
+        self._lookups: list[tuple[int, Future, str, torch.Tensor]] = []
+        self._flushes: list[tuple[int, Future]] = []
+
+    # set-up -------------------------------------------------------------------------------------
+
+    def create_table(self, spec: TableSpec, weight: torch.Tensor | None) -> None:
+        """Create this server's shard of a table from its initial rows, or initialise them here."""
+        sharding = RowSharding(spec.num_rows, self.num_servers)
+        if weight is None:
+            generator = torch.Generator().manual_seed(spec.init_seed * 1_000_003 + self.server_rank)
+            weight = torch.randn(sharding.shard_rows(self.server_rank), spec.dim, generator=generator)
+            if spec.padding_idx is not None and spec.padding_idx % self.num_servers == self.server_rank:
+                weight[spec.padding_idx // self.num_servers] = 0
+        with self._lock:
+            self.last_request = time.monotonic()
+            self.tables[spec.name] = TableShard(spec.name, sharding, self.server_rank, weight, spec.optimizer)
+
+    # the step protocol ---------------------------------------------------------------------------
+
+    def lookup(self, table: str, step: int | None, rows: torch.Tensor) -> Future:
+        """The values of local ``rows`` of ``table`` as step ``step`` must see them.
+
+        ``step=None`` (evaluation) answers from the current rows at once.
+        """
+        future: Future = Future()
+        with self._lock:
+            shard = self._table(table)
+            if step is None or self._lookup_ready(step):
+                future.set_result(shard.lookup(rows))
+            else:
+                self._lookups.append((step, future, table, rows))
+        return future
+
+    def push(self, trainer: int, step: int, grads: Push) -> None:
+        """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order)."""
+        with self._lock:
+            if not 0 <= trainer < self.num_trainers:
+                raise ValueError(f"push from trainer {trainer}; this server serves {self.num_trainers} trainers")
+            if step != self._pushed[trainer] + 1:
+                raise RuntimeError(
+                    f"trainer {trainer} pushed step {step} after step {self._pushed[trainer]}; steps must come in order"
+                )
+            for name in grads:
+                self._table(name)
+            self._pushes.setdefault(step, {})[trainer] = grads
+            self._pushed[trainer] = step
+            self._advance()
+
+    def flush(self, step: int) -> Future:
+        """Completes once every trainer has pushed ``step`` and every update up to it is applied.
+
+        Trainers flush before evaluating, checkpointing and stopping, so that evaluation and
+        checkpoints see every update, whatever the staleness.
+        """
+        future: Future = Future()
+        with self._lock:
+            self.last_request = time.monotonic()
+            self._forced = max(self._forced, step)
+            self._flushes.append((step, future))
+            self._advance()
+        return future
+
+    def _lookup_ready(self, step: int) -> bool:
+        return self.applied >= step - 1 - self.staleness
+
+    def _can_apply(self, step: int) -> bool:
+        pushed_all = min(self._pushed)
+        if pushed_all < step:
+            return False
+        # update `step` must wait for every lookup of step + staleness, which precede that step's push
+        return pushed_all >= step + self.staleness or self._forced >= step
+
+    def _advance(self) -> None:
+        while self._can_apply(self.applied + 1):
+            self._apply(self.applied + 1)
+        waiting = []
+        for step, future, table, rows in self._lookups:
+            if self._lookup_ready(step):
+                future.set_result(self.tables[table].lookup(rows))
+            else:
+                waiting.append((step, future, table, rows))
+        self._lookups = waiting
+        flushes = []
+        for step, future in self._flushes:
+            if self.applied >= step:
+                future.set_result(self.applied)
+            else:
+                flushes.append((step, future))
+        self._flushes = flushes
+
+    def _apply(self, step: int) -> None:
+        pushes = self._pushes.pop(step)
+        ordered = [pushes[trainer] for trainer in range(self.num_trainers)]  # a fixed order: reproducible sums
+        for name in sorted({name for push in ordered for name in push}):
+            shard = self.tables[name]
+            rows = torch.cat([push[name][0] for push in ordered if name in push])
+            grads = torch.cat([push[name][1] for push in ordered if name in push])
+            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+            summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
+            # each trainer's gradient is of its own mean loss; DDP averages the dense ones likewise
+            shard.update(unique, summed / self.num_trainers)
+        self.applied = step
+
+    def _table(self, name: str) -> TableShard:
+        self.last_request = time.monotonic()
+        if name not in self.tables:
+            raise KeyError(f"server {self.server_rank} holds no table {name!r}; it holds {sorted(self.tables)}")
+        return self.tables[name]
+
+    # whole tables ---------------------------------------------------------------------------------
+
+    def rows(self, table: str) -> torch.Tensor:
+        """This server's current rows of ``table``."""
+        with self._lock:
+            return self._table(table).weight.clone()
+
+    def save(self, path: str) -> None:
+        """Write every shard (rows and optimiser state) to ``path``."""
+        with self._lock:
+            states = {name: shard.state_dict() for name, shard in self.tables.items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        torch.save(states, tmp)
+        os.replace(tmp, path)  # a reader never sees half a file
+
+    def load(self, paths: Sequence[str]) -> None:
+        """Restore every table from the files of a checkpoint's servers (any number of them).
+
+        The saved shards are re-sharded over this job's servers; the step protocol restarts.
+        """
+        saved = [torch.load(path, map_location="cpu", weights_only=True, mmap=True) for path in paths]
+        with self._lock:
+            for name, shard in self.tables.items():
+                states = [file[name] for file in saved if name in file]
+                if not states:
+                    raise KeyError(f"the checkpoint's embedding files {list(paths)} hold no table {name!r}")
+                mine = reshard_states(states, self.num_servers, shard.optimizer.row_state_keys())[self.server_rank]
+                shard.load_state_dict(mine)
+            self._reset_steps()
+
+
+DEFAULT_TIMEOUT_S = timedelta(minutes=30).total_seconds()  # Lightning's default process-group timeout
+
+
+def server_name(server_rank: int) -> str:
+    """The RPC name of embedding server ``server_rank``."""
+    return f"embedding-server-{server_rank}"
+
+
+def trainer_name(trainer_rank: int) -> str:
+    """The RPC name of trainer rank ``trainer_rank``."""
+    return f"trainer-{trainer_rank}"
+
+
+def rpc_options(address: str, timeout_s: float) -> torch.distributed.rpc.TensorPipeRpcBackendOptions:
+    """The RPC options every member of a job uses: one rendezvous address, one timeout (seconds)."""
+    return torch.distributed.rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{address}", rpc_timeout=timeout_s, num_worker_threads=32, devices=[]
+    )
+
+
+def parse_address(value: str) -> str:
+    """``host:port`` checked, for argparse and the strategy alike."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"an address must be HOST:PORT, got {value!r}")
+    return value
+
+
+# The instance a server process runs, reached through torch.distributed.rpc by the functions below.
+_SERVER: EmbeddingServer | None = None
+_DONE = threading.Event()
+_FINISHED: set[int] = set()
+
+
+def install(server: EmbeddingServer) -> threading.Event:
+    """Make ``server`` the one this process serves; the event is set when every trainer has finished."""
+    global _SERVER
+    _SERVER = server
+    _FINISHED.clear()
+    _DONE.clear()
+    return _DONE
+
+
+def _server() -> EmbeddingServer:
+    if _SERVER is None:
+        raise RuntimeError("this process is not an embedding server")
+    return _SERVER
+
+
+def remote_create_table(spec: TableSpec, weight: torch.Tensor | None) -> None:
+    _server().create_table(spec, weight)
+
+
+@torch.distributed.rpc.functions.async_execution
+def remote_lookup(table: str, step: int | None, rows: torch.Tensor) -> Future:
+    return _server().lookup(table, step, rows)
+
+
+def remote_push(trainer: int, step: int, grads: Push) -> None:
+    _server().push(trainer, step, grads)
+
+
+@torch.distributed.rpc.functions.async_execution
+def remote_flush(step: int) -> Future:
+    return _server().flush(step)
+
+
+def remote_rows(table: str) -> torch.Tensor:
+    return _server().rows(table)
+
+
+def remote_save(path: str) -> None:
+    _server().save(path)
+
+
+def remote_load(paths: list[str]) -> None:
+    _server().load(paths)
+
+
+def remote_finish(trainer: int) -> None:
+    """Trainer ``trainer`` is done with this server; it stops once every trainer is."""
+    _FINISHED.add(trainer)
+    if len(_FINISHED) == _server().num_trainers:
+        _DONE.set()

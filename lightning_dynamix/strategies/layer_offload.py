@@ -1,0 +1,464 @@
+"""Lightning DDP for models that are mostly embedding tables: the tables on CPU embedding servers.
+
+:class:`LayerOffloadStrategy` trains a LightningModule unchanged. At set-up it takes the module's
+``nn.Embedding`` / ``nn.EmbeddingBag`` layers out (all of them with ``offload="auto"``, or the ones
+named), shards their rows over ``num_embedding_servers`` CPU processes, and puts remote stand-ins
+in their place (:mod:`lightning_dynamix.offload.remote`). The dense rest of the model trains with
+DDP among the trainer ranks, the devices the Trainer was given; the servers apply a sparse
+optimiser to the rows each step touched. With ``staleness=0`` this is exactly the training of the
+same model in one process; ``staleness=1`` lets each step's embedding update overlap the next
+step (PERSIA's bounded staleness, made exact: step ``k`` sees the tables after update ``k - 2``).
+
+Servers and trainers talk over ``torch.distributed.rpc``. On one machine the strategy starts the
+servers itself; on a cluster, start them with ``python -m lightning_dynamix.serve`` and give the
+strategy ``launch_servers=False`` and the ``server_port`` they were told.
+
+Checkpoints: every server writes its shards, with their optimiser state, beside the checkpoint
+file (``<checkpoint>.embeddings/``); the checkpoint records them, and resuming restores them, into
+any number of servers. At the end of ``fit`` the trained tables are copied back into the
+LightningModule's own embedding modules (``return_embeddings=True``), so the model is whole again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.rpc as rpc
+import torch.distributed.rpc.api as rpc_api
+from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dynamix._checks import require_int
+from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
+from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
+from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, remote_module
+from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
+from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
+
+STRATEGY_NAME = "layer_offload"
+CHECKPOINT_KEY = "embedding_servers"
+_SERVER_EXIT_WAIT_S = 30.0
+
+
+class LayerOffloadStrategy(DDPStrategy):
+    """DDP for the dense layers, with the embedding tables on CPU embedding servers.
+
+    Args:
+        num_embedding_servers: CPU processes the tables' rows are sharded over.
+        offload: ``"auto"`` for every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the LightningModule,
+            or the names of the ones to offload (as in ``named_modules()``).
+        sparse_optimizer: the servers' optimiser: ``"sgd"``, ``"adagrad"`` or a
+            :class:`~lightning_dynamix.offload.SparseRowOptimizer`; None (default) mirrors the
+            LightningModule's optimizer (``torch.optim.SGD`` without momentum or weight decay, or
+            ``torch.optim.Adagrad``) with its hyperparameters.
+        sparse_optimizer_args: arguments of a named ``sparse_optimizer``; ``lr`` defaults to the
+            LightningModule's optimizer's.
+        staleness: updates an embedding lookup may miss: 0 is synchronous; 1 overlaps each step's
+            embedding update with the next step.
+        launch_servers: start the servers as local processes (one machine); False when they are
+            started with ``python -m lightning_dynamix.serve`` (a cluster).
+        server_port: the port on trainer rank 0's machine where trainers and servers meet; required
+            with ``launch_servers=False``, a free one by default otherwise.
+        return_embeddings: at the end of ``fit``, copy the trained tables back into the
+            LightningModule's embedding modules on every trainer; set False for tables too large for a
+            trainer (the checkpoint holds them).
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout`` also bounds every wait for a server).
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        num_embedding_servers: int = 1,
+        offload: str | Sequence[str] = "auto",
+        sparse_optimizer: str | SparseRowOptimizer | None = None,
+        sparse_optimizer_args: Mapping[str, Any] | None = None,
+        staleness: int = 0,
+        launch_servers: bool = True,
+        server_port: int | None = None,
+        return_embeddings: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.num_embedding_servers = require_int("num_embedding_servers", num_embedding_servers, 1)
+        self.offload = _validate_offload(offload)
+        self.sparse_optimizer_args = dict(sparse_optimizer_args or {})
+        if sparse_optimizer is None:
+            if self.sparse_optimizer_args:
+                raise ValueError(
+                    f"`sparse_optimizer_args` {self.sparse_optimizer_args} were given without a `sparse_optimizer`;"
+                    " name one (e.g. 'adagrad') or leave both unset to mirror the LightningModule's optimizer"
+                )
+        elif not isinstance(sparse_optimizer, SparseRowOptimizer):
+            # checked now, with a stand-in learning rate; the real one may come from the module's optimizer
+            make_sparse_optimizer(sparse_optimizer, **{"lr": 1.0, **self.sparse_optimizer_args})
+        else:
+            make_sparse_optimizer(sparse_optimizer, **self.sparse_optimizer_args)
+        self.sparse_optimizer = sparse_optimizer
+        self.staleness = require_int("staleness", staleness, 0)
+        if not isinstance(launch_servers, bool):
+            raise ValueError(f"`launch_servers` must be True or False, got {launch_servers!r}")
+        self.launch_servers = launch_servers
+        if server_port is not None:
+            parse_address(f"localhost:{server_port}")
+        elif not launch_servers:
+            raise ValueError(
+                "`server_port` is required with launch_servers=False: the servers started with"
+                " `python -m lightning_dynamix.serve --address <trainer 0's host>:<port>` must be given the same port"
+            )
+        self.server_port = server_port
+        self.return_embeddings = bool(return_embeddings)
+        self._client: EmbeddingClient | None = None
+        self._servers: list[subprocess.Popen] = []
+        self._offloaded: dict[str, nn.Module] = {}  # the LightningModule's own embedding modules, set aside
+        self._failed = False
+        self._checkpoint_path: Path | None = None
+
+    @property
+    def client(self) -> EmbeddingClient | None:
+        """This trainer's connection to the servers, while they run."""
+        return self._client
+
+    # set-up ----------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        let_backend_threads_finish_at_exit()
+        module = self.lightning_module
+        assert module is not None
+        targets = self._select(module)
+        self._failed = False
+        self._start_rpc()
+        self._client = EmbeddingClient(self.global_rank, self.num_embedding_servers, self._timeout.total_seconds())
+        for name, embedding in targets.items():
+            _set_submodule(module, name, remote_module(self._client, name, embedding))
+        self._offloaded = targets
+        super().setup(trainer)  # DDP over the dense rest; the optimizers are configured from it
+        optimizer = self._sparse_optimizer(trainer.state.fn)
+        if self.is_global_zero:
+            for name, embedding in targets.items():
+                weight = None if embedding.weight.is_meta else embedding.weight
+                self._client.create_table(_spec(name, embedding, optimizer), weight)
+        if trainer.state.fn == TrainerFn.FITTING:
+            for embedding in targets.values():  # the servers own the rows now, and train them
+                embedding.weight = nn.Parameter(torch.empty_like(embedding.weight, device="meta"))
+        self.barrier("embedding tables created")
+
+    def _select(self, module: LightningModule) -> dict[str, nn.Module]:
+        modules = dict(module.named_modules())
+        embeddings = {name: m for name, m in modules.items() if isinstance(m, EMBEDDING_TYPES)}
+        if self.offload == "auto":
+            if not embeddings:
+                raise MisconfigurationException(
+                    f"`offload='auto'` found no nn.Embedding or nn.EmbeddingBag in {type(module).__name__}:"
+                    " there is nothing to offload; use another strategy for this model"
+                )
+            selected = embeddings
+        else:
+            for name in self.offload:
+                if name not in modules:
+                    raise MisconfigurationException(
+                        f"`offload` names {name!r}, which is not a module of {type(module).__name__};"
+                        f" its embedding modules are {sorted(embeddings)}"
+                    )
+                if name not in embeddings:
+                    raise MisconfigurationException(
+                        f"`offload` names {name!r}, a {type(modules[name]).__name__}; only nn.Embedding and"
+                        f" nn.EmbeddingBag can be offloaded: {sorted(embeddings)}"
+                    )
+            selected = {name: embeddings[name] for name in self.offload}
+        shared = _shared_weights(module, selected)
+        if shared:
+            raise MisconfigurationException(
+                f"the weights of {shared} are also used by other modules (tied weights); offloading them would"
+                " split one parameter in two: leave them out of `offload`"
+            )
+        for name, embedding in selected.items():
+            if embedding.max_norm is not None:
+                raise MisconfigurationException(
+                    f"embedding {name!r} has max_norm={embedding.max_norm}, which renormalises rows in place in the"
+                    " forward pass; a remote table cannot: leave it out of `offload`"
+                )
+        return selected
+
+    def _sparse_optimizer(self, fn: TrainerFn | None) -> SparseRowOptimizer:
+        if fn != TrainerFn.FITTING:
+            return FrozenRows()
+        dense = self.optimizers[0] if self.optimizers else None
+        if self.sparse_optimizer is None:
+            if dense is None:
+                raise MisconfigurationException(
+                    "LayerOffloadStrategy mirrors the LightningModule's optimizer for the embedding tables, and"
+                    " configure_optimizers returned none: set `sparse_optimizer`"
+                )
+            try:
+                return sparse_counterpart(dense)
+            except ValueError as error:
+                raise MisconfigurationException(f"{error}; set LayerOffloadStrategy(sparse_optimizer=...)") from None
+        if isinstance(self.sparse_optimizer, SparseRowOptimizer):
+            return self.sparse_optimizer
+        args = dict(self.sparse_optimizer_args)
+        if "lr" not in args and dense is not None:
+            args["lr"] = dense.param_groups[0]["lr"]
+        return make_sparse_optimizer(self.sparse_optimizer, **args)
+
+    def _start_rpc(self) -> None:
+        num_trainers = self.world_size
+        host = self.cluster_environment.main_address if self.cluster_environment is not None else "127.0.0.1"
+        port = self.server_port
+        if port is None:
+            port = self.broadcast(_free_port() if self.is_global_zero else None, src=0)
+        address = parse_address(f"{host}:{port}")
+        if self.launch_servers and self.is_global_zero:
+            self._servers = [self._launch(address, s, num_trainers) for s in range(self.num_embedding_servers)]
+        _forget_earlier_rpc_groups()
+        rpc.init_rpc(
+            trainer_name(self.global_rank),
+            rank=self.global_rank,
+            world_size=num_trainers + self.num_embedding_servers,
+            rpc_backend_options=rpc_options(address, self._timeout.total_seconds()),
+        )
+
+    def _launch(self, address: str, server: int, num_trainers: int) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+        env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
+        command = [
+            sys.executable,
+            "-m",
+            "lightning_dynamix.serve",
+            "--address",
+            address,
+            "--server-rank",
+            str(server),
+            "--num-servers",
+            str(self.num_embedding_servers),
+            "--num-trainers",
+            str(num_trainers),
+            "--staleness",
+            str(self.staleness),
+            "--timeout",
+            str(self._timeout.total_seconds()),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        return subprocess.Popen(command, env=env)
+
+    # training ------------------------------------------------------------------------------------------
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        assert self._client is not None
+        self._client.push()
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._flush()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._flush()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._client is not None:
+            self._client.flush()
+
+    # checkpoints -----------------------------------------------------------------------------------------
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self.is_global_zero and self._client is not None:
+            directory = _shard_directory(Path(filepath))
+            if directory.exists():
+                shutil.rmtree(directory)
+            self._client.flush()
+            files = self._client.save(directory)
+            checkpoint[CHECKPOINT_KEY] = {
+                "directory": directory.name,
+                "files": files,
+                "num_servers": self.num_embedding_servers,
+                "tables": {
+                    name: {"num_rows": m.num_embeddings, "dim": m.embedding_dim} for name, m in self._offloaded.items()
+                },
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            shutil.rmtree(_shard_directory(Path(filepath)), ignore_errors=True)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the servers must exist to take their shards back
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._checkpoint_path = Path(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        super().load_model_state_dict(checkpoint, strict=strict)
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if saved is None:
+            raise MisconfigurationException(
+                f"the checkpoint {self._checkpoint_path} holds no embedding tables (it was not written by"
+                " LayerOffloadStrategy); load it into the model before fitting with this strategy instead"
+            )
+        missing = sorted(set(self._offloaded) - set(saved["tables"]))
+        if missing:
+            raise MisconfigurationException(
+                f"the checkpoint {self._checkpoint_path} holds the tables {sorted(saved['tables'])}, not {missing}"
+            )
+        if self.is_global_zero:
+            assert self._client is not None
+            assert self._checkpoint_path is not None
+            directory = self._checkpoint_path.parent / saved["directory"]
+            self._client.load([directory / name for name in saved["files"]])
+        self.barrier("embedding tables restored")
+
+    # the end ---------------------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self._client is not None:
+            try:
+                self._finish()
+            finally:
+                self._client = None
+                self._stop_servers()
+        super().teardown()
+
+    def _finish(self) -> None:
+        client = self._client
+        assert client is not None
+        module = self.lightning_module
+        try:
+            if not self._failed:
+                client.flush()
+                if self.return_embeddings:
+                    for name, embedding in self._offloaded.items():
+                        table = client.table(name, embedding.num_embeddings)
+                        embedding.weight = nn.Parameter(table.to(self.root_device))
+                client.finish()
+        finally:
+            if module is not None:
+                for name, embedding in self._offloaded.items():
+                    _set_submodule(module, name, embedding)
+            self._offloaded = {}
+            # Not rpc's graceful shutdown: its barrier counts shutdowns per process, so a trainer's
+            # second fit would never meet the new servers there. `finish` above is the agreement
+            # that nothing is in flight (the servers wait for every trainer's).
+            rpc.shutdown(graceful=False)
+
+    def _stop_servers(self) -> None:
+        servers, self._servers = self._servers, []
+        for server in servers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=0 if self._failed else _SERVER_EXIT_WAIT_S)
+            if server.poll() is None:
+                server.kill()
+                server.wait()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            STRATEGY_NAME,
+            cls,
+            description="DDP for the dense layers with the embedding tables on CPU embedding servers",
+        )
+
+
+_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _validate_offload(offload: object) -> str | tuple[str, ...]:
+    if offload == "auto":
+        return "auto"
+    if isinstance(offload, str) or not isinstance(offload, Sequence) or not offload:
+        raise ValueError(f"`offload` must be 'auto' or a non-empty list of embedding module names, got {offload!r}")
+    names = tuple(offload)
+    bad = [name for name in names if not isinstance(name, str) or not name]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"`offload` must list distinct module names, got {list(names)!r}")
+    return names
+
+
+def _spec(name: str, embedding: nn.Module, optimizer: SparseRowOptimizer) -> TableSpec:
+    return TableSpec(
+        name=name,
+        num_rows=embedding.num_embeddings,
+        dim=embedding.embedding_dim,
+        optimizer=optimizer,
+        init_seed=torch.initial_seed() % (2**31) + sum(map(ord, name)),
+        padding_idx=embedding.padding_idx,
+    )
+
+
+def _shared_weights(module: nn.Module, selected: Mapping[str, nn.Module]) -> list[str]:
+    owners: dict[int, set[str]] = {}
+    for owner, child in module.named_modules(remove_duplicate=False):
+        for parameter in child.parameters(recurse=False):
+            owners.setdefault(id(parameter), set()).add(owner)
+    return sorted(name for name, m in selected.items() if len(owners.get(id(m.weight), ())) > 1)
+
+
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
+
+
+def _shard_directory(checkpoint: Path) -> Path:
+    return checkpoint.with_name(checkpoint.name + ".embeddings")
+
+
+def _forget_earlier_rpc_groups() -> None:
+    # torch.distributed.rpc numbers, per process, its rendezvous keys (by init_rpc calls) and its
+    # all-gathers (by the set of worker names). The servers are new processes at every fit, so a
+    # trainer's second fit would wait for keys and sequence numbers they never write. The earlier
+    # group is shut down and each fit meets at a store of its own: counting from zero is safe.
+    with rpc._init_counter_lock:
+        rpc._init_counter = 0
+    with rpc_api._all_gather_dict_lock:
+        rpc_api._all_gather_sequence_id.clear()
+        rpc_api._all_gather_sequence_id_to_states.clear()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+LayerOffloadStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,123 @@
+"""Trains the DLRM example with LayerOffloadStrategy under Lightning's launcher, one scenario per fit.
+
+    python offload_job.py TRAINERS OUT SCENARIO [SCENARIO ...]
+
+A scenario is ``OPTIMIZER-SERVERS-STALENESS`` (``adagrad-2-0``): 2 epochs of 10 steps, batch 16 per
+trainer, unshuffled, so the trainers' batches of a step are one contiguous block of samples. Rank 0
+writes the whole trained model (the tables come back from the servers at the end) to
+``OUT/<scenario>.pt``. ``resume-OPTIMIZER-OLD-NEW``: one epoch on OLD servers with a checkpoint,
+then a second Trainer resumes it on NEW servers. ``kill``: server 1 is killed at step 3; the job
+must fail (with the server pids in ``OUT/kill-pids.txt``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, DistributedSampler
+
+from lightning_dynamix.data import CTRSpec, SyntheticCTRDataset
+from lightning_dynamix.strategies import LayerOffloadStrategy
+
+ROOT = Path(__file__).resolve().parents[3]
+TABLE_SIZES = (50, 200, 1000, 7, 3000)
+BATCH, STEPS_PER_EPOCH, EPOCHS = 16, 10, 2
+LR = {"sgd": 0.5, "adagrad": 0.05}
+
+
+def load_dlrm():
+    spec = importlib.util.spec_from_file_location("examples_ctr_dlrm", ROOT / "examples" / "ctr" / "dlrm.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_model(optimizer: str):
+    dlrm = load_dlrm()
+    return dlrm.DLRM(
+        num_dense=13, table_sizes=TABLE_SIZES, embedding_dim=8, bottom_mlp=(16,), top_mlp=(16,),
+        optimizer=optimizer, lr=LR[optimizer], seed=0,
+    )  # fmt: skip
+
+
+def make_dataset(trainers: int) -> SyntheticCTRDataset:
+    return SyntheticCTRDataset(STEPS_PER_EPOCH * BATCH * trainers, CTRSpec(table_sizes=TABLE_SIZES, seed=1))
+
+
+class UnshuffledData(LightningDataModule):
+    """Trainer ``r`` of ``n`` takes samples ``r, r + n, ...`` in order (Lightning's own sampler shuffles)."""
+
+    def __init__(self, trainers: int) -> None:
+        super().__init__()
+        self.dataset = make_dataset(trainers)
+
+    def train_dataloader(self) -> DataLoader:
+        sampler = DistributedSampler(
+            self.dataset, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(self.dataset, batch_size=BATCH, sampler=sampler)
+
+
+class KillServer(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        servers = trainer.strategy._servers
+        if trainer.global_step == 3 and servers:
+            (self.out / "kill-pids.txt").write_text(" ".join(str(s.pid) for s in servers))
+            servers[1].send_signal(signal.SIGKILL)
+            servers[1].wait()
+
+
+def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int, out: Path, **kwargs):
+    callbacks = kwargs.pop("callbacks", [])
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    model = make_model(optimizer)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=trainers,
+        strategy=LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness),
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=bool([c for c in callbacks if isinstance(c, ModelCheckpoint)]),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=out,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, datamodule=UnshuffledData(trainers), ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def main() -> None:
+    trainers, out = int(sys.argv[1]), Path(sys.argv[2])
+    for scenario in sys.argv[3:]:
+        if scenario == "kill":
+            fit(trainers, "sgd", 2, 0, EPOCHS, out, callbacks=[KillServer(out)])
+            continue
+        if scenario.startswith("resume-"):
+            _, optimizer, old, new = scenario.split("-")
+            checkpoints = out / scenario
+            fit(trainers, optimizer, int(old), 0, 1, out, callbacks=[ModelCheckpoint(checkpoints, save_top_k=-1)])
+            (ckpt,) = checkpoints.glob("*.ckpt")
+            trainer, model = fit(trainers, optimizer, int(new), 0, EPOCHS, out, ckpt_path=ckpt)
+        else:
+            optimizer, servers, staleness = scenario.split("-")
+            trainer, model = fit(trainers, optimizer, int(servers), int(staleness), EPOCHS, out)
+        if trainer.global_rank == 0:
+            assert trainer.global_step == STEPS_PER_EPOCH * EPOCHS, trainer.global_step
+            torch.save(model.state_dict(), out / f"{scenario}.pt")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Real layer-offload jobs: trainer ranks under Lightning's launcher, embedding servers they start.
+
+With ``staleness=0`` the DLRM example trained with its tables on servers ends exactly where one
+process training it on the trainers' concatenated batches does, for SGD and Adagrad, 1 trainer with
+2 servers and 2 trainers with 1 server; a checkpoint resumes on another number of servers and
+continues identically; ``staleness=1`` is exactly "step k sees the tables after update k - 2"; a
+killed server makes the job fail with an error naming it, and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.utils.data import DataLoader
+
+from tests.distributed.conftest import JOBS, run_job
+
+pytestmark = pytest.mark.distributed
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def job():
+    sys.path.insert(0, str(JOBS))
+    try:
+        import offload_job
+
+        yield offload_job
+    finally:
+        sys.path.remove(str(JOBS))
+
+
+@pytest.fixture(scope="module")
+def one_trainer(tmp_path_factory):
+    out = tmp_path_factory.mktemp("offload-1-trainer")
+    run_job("offload_job.py", 1, out, "sgd-2-0", "adagrad-2-0", "adagrad-2-1", "resume-adagrad-2-3", cwd=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_trainers(tmp_path_factory):
+    out = tmp_path_factory.mktemp("offload-2-trainers")
+    run_job("offload_job.py", 2, out, "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", cwd=out)
+    return out
+
+
+def reference(job, optimizer: str, trainers: int, staleness: int = 0) -> dict[str, torch.Tensor]:
+    """One process on the concatenated batches; with staleness 1 the tables it reads lag one update."""
+    torch.manual_seed(0)
+    model = job.make_model(optimizer)
+    opt = model.configure_optimizers()
+    loader = DataLoader(job.make_dataset(trainers), batch_size=job.BATCH * trainers, shuffle=False)
+    tables = [f"embeddings.{i}.weight" for i in range(len(job.TABLE_SIZES))]
+    params = dict(model.named_parameters())
+    stale = {name: params[name].detach().clone() for name in tables}
+    for _ in range(job.EPOCHS):
+        for dense, sparse, labels in loader:
+            opt.zero_grad()
+            if staleness == 0:
+                logits = model(dense, sparse)
+                F.binary_cross_entropy_with_logits(logits, labels).backward()
+            else:
+                read = {name: stale[name].clone().requires_grad_(True) for name in tables}
+                logits = functional_call(model, read, (dense, sparse))
+                F.binary_cross_entropy_with_logits(logits, labels).backward()
+                for name in tables:
+                    params[name].grad = read[name].grad
+                stale = {name: params[name].detach().clone() for name in tables}
+            opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def assert_same(result: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert result.keys() == expected.keys()
+    worst = max((result[k] - expected[k]).abs().max().item() for k in expected if expected[k].is_floating_point())
+    assert worst <= TOLERANCE, f"max abs difference {worst:.3g}"
+
+
+def test_reference_moves_every_table(job):
+    # the comparisons below mean something only if 20 steps change the tables well beyond the tolerance
+    start = job.make_model("sgd").state_dict()
+    trained = reference(job, "sgd", 1)
+    for i in range(len(job.TABLE_SIZES)):
+        assert (trained[f"embeddings.{i}.weight"] - start[f"embeddings.{i}.weight"]).abs().max() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_one_trainer_two_servers_equals_one_process(one_trainer, job, optimizer):
+    assert_same(torch.load(one_trainer / f"{optimizer}-2-0.pt"), reference(job, optimizer, 1))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_two_trainers_one_server_equals_one_process(two_trainers, job, optimizer):
+    assert_same(torch.load(two_trainers / f"{optimizer}-1-0.pt"), reference(job, optimizer, 2))
+
+
+def test_staleness_one_reads_tables_one_update_behind(one_trainer, job):
+    result = torch.load(one_trainer / "adagrad-2-1.pt")
+    assert_same(result, reference(job, "adagrad", 1, staleness=1))
+    with pytest.raises(AssertionError):  # and that differs from synchronous training
+        assert_same(result, reference(job, "adagrad", 1))
+
+
+def test_resume_from_two_servers_onto_three_continues_identically(one_trainer, job):
+    assert_same(torch.load(one_trainer / "resume-adagrad-2-3.pt"), reference(job, "adagrad", 1))
+    (directory,) = (one_trainer / "resume-adagrad-2-3").glob("*.ckpt.embeddings")
+    assert sorted(p.name for p in directory.iterdir()) == ["server-0-of-2.pt", "server-1-of-2.pt"]
+
+
+def test_resume_two_trainers_from_one_server_onto_two(two_trainers, job):
+    assert_same(torch.load(two_trainers / "resume-sgd-1-2.pt"), reference(job, "sgd", 2))
+
+
+def test_a_killed_server_fails_the_job_with_its_name_and_leaves_no_process(tmp_path: Path):
+    proc = run_job("offload_job.py", 1, tmp_path, "kill", cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert "embedding server 1 (embedding-server-1) failed or did not answer" in proc.stderr
+    for pid in map(int, (tmp_path / "kill-pids.txt").read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
