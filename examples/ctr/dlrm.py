@@ -1,144 +1,23 @@
 """DLRM, the deep learning recommendation model, trained on the built-in synthetic CTR data.
 
     python examples/ctr/dlrm.py fit --config examples/ctr/dlrm.yaml
+    python examples/ctr/dlrm.py fit --config examples/ctr/dlrm_offload.yaml
 
-The data's ``num_dense`` and ``table_sizes`` are linked to the model's, so the embedding tables always
-match the categorical features (set them under ``data:`` only).
+The second config trains the same model with its embedding tables on CPU embedding servers
+(LayerOffloadStrategy). The model is :class:`lightning_dynamix.cli.dlrm.DLRM`. The data's
+``num_dense`` and ``table_sizes`` are linked to the model's, so the embedding tables always match
+the categorical features (set them under ``data:`` only).
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Sequence
-from typing import Literal
-
-import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from torch import nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAUROC
 from typing_extensions import override
 
-from lightning_dynamix._checks import require_int, require_number
-from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule, CTRSample
+from lightning_dynamix.cli.dlrm import DLRM
+from lightning_dynamix.data import CTRDataModule
 
-OptimizerName = Literal["sgd", "adagrad"]
-
-
-def _mlp(widths: Sequence[int], final_activation: bool) -> nn.Sequential:
-    """Linear layers through ``widths`` (input width first), ReLU between them and, if asked, after the last."""
-    layers: list[nn.Module] = []
-    for index, (width_in, width_out) in enumerate(itertools.pairwise(widths)):
-        layers.append(nn.Linear(width_in, width_out))
-        if final_activation or index < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-class DLRM(LightningModule):
-    """A DLRM click model: bottom MLP, one embedding table per categorical feature, pairwise dot products, top MLP.
-
-    The bottom MLP maps the dense features to an ``embedding_dim`` vector; each categorical id looks up
-    an ``embedding_dim`` row of its own table in :attr:`embeddings` (table ``t`` is the submodule named
-    ``embeddings.t``); the dot products of every pair among these ``1 + len(table_sizes)`` vectors,
-    with the bottom MLP's output, feed the top MLP, which gives one click logit. Trained with binary
-    cross-entropy on the logits; logs ``train_loss`` every step and ``val_loss`` and ``val_auc`` (ROC AUC
-    over all validation samples) every validation epoch.
-
-    Args:
-        num_dense: dense features per sample.
-        table_sizes: rows of each embedding table, one table per categorical feature.
-        embedding_dim: length of every embedding row and of the bottom MLP's output.
-        bottom_mlp: widths of the bottom MLP's hidden layers.
-        top_mlp: widths of the top MLP's hidden layers.
-        optimizer: ``"sgd"`` or ``"adagrad"`` (the usual choice for embedding tables).
-        lr: learning rate.
-        seed: seed of the initial weights; ``None`` draws them from the global generator.
-    """
-
-    def __init__(
-        self,
-        num_dense: int = 13,
-        table_sizes: Sequence[int] = CRITEO_LIKE_TABLE_SIZES,
-        embedding_dim: int = 16,
-        bottom_mlp: Sequence[int] = (64,),
-        top_mlp: Sequence[int] = (64, 32),
-        optimizer: OptimizerName = "adagrad",
-        lr: float = 0.02,
-        seed: int | None = 0,
-    ) -> None:
-        super().__init__()
-        require_int("num_dense", num_dense, 1)
-        if isinstance(table_sizes, str) or not isinstance(table_sizes, Sequence) or len(table_sizes) == 0:
-            raise ValueError(f"`table_sizes` must be a non-empty sequence of ints >= 1, got {table_sizes!r}")
-        for index, size in enumerate(table_sizes):
-            require_int(f"table_sizes[{index}]", size, 1)
-        require_int("embedding_dim", embedding_dim, 1)
-        for name, widths in (("bottom_mlp", bottom_mlp), ("top_mlp", top_mlp)):
-            if isinstance(widths, str) or not isinstance(widths, Sequence):
-                raise ValueError(f"`{name}` must be a sequence of hidden-layer widths (ints >= 1), got {widths!r}")
-            for index, width in enumerate(widths):
-                require_int(f"{name}[{index}]", width, 1)
-        if optimizer not in ("sgd", "adagrad"):
-            raise ValueError(f"`optimizer` must be 'sgd' or 'adagrad', got {optimizer!r}")
-        require_number("lr", lr, 0.0, low_open=True)
-        if seed is not None:
-            require_int("seed", seed, 0)
-        self.save_hyperparameters()
-        num_vectors = 1 + len(table_sizes)
-        with torch.random.fork_rng(devices=[], enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(seed)
-            self.bottom_mlp = _mlp([num_dense, *bottom_mlp, embedding_dim], final_activation=True)
-            self.embeddings = nn.ModuleList(nn.Embedding(size, embedding_dim) for size in table_sizes)
-            for table in self.embeddings:
-                # DLRM's initialisation: small rows for large tables
-                bound = table.num_embeddings**-0.5
-                nn.init.uniform_(table.weight, -bound, bound)
-            num_pairs = num_vectors * (num_vectors - 1) // 2
-            self.top_mlp = _mlp([embedding_dim + num_pairs, *top_mlp, 1], final_activation=False)
-        self.register_buffer("pairs", torch.tril_indices(num_vectors, num_vectors, offset=-1), persistent=False)
-        self.val_auc = BinaryAUROC()
-        self.val_loss = MeanMetric()
-
-    @override
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Click logits ``(batch,)`` for dense features ``(batch, num_dense)`` and ids ``(batch, num_tables)``."""
-        bottom = self.bottom_mlp(dense)
-        rows = [table(sparse[:, index]) for index, table in enumerate(self.embeddings)]
-        vectors = torch.stack([bottom, *rows], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
-        return self.top_mlp(torch.cat([bottom, dots], dim=1)).squeeze(1)
-
-    @override
-    def training_step(self, batch: CTRSample, batch_idx: int) -> torch.Tensor:
-        dense, sparse, labels = batch
-        loss = F.binary_cross_entropy_with_logits(self(dense, sparse), labels)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    @override
-    def on_validation_epoch_start(self) -> None:
-        # metric states left by a `trainer.validate()` are inference tensors that a later fit could not update
-        self.val_auc.reset()
-        self.val_loss.reset()
-
-    @override
-    def validation_step(self, batch: CTRSample, batch_idx: int) -> None:
-        dense, sparse, labels = batch
-        logits = self(dense, sparse)
-        self.val_loss.update(F.binary_cross_entropy_with_logits(logits, labels), weight=labels.shape[0])
-        self.val_auc.update(logits, labels.long())
-        self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, sync_dist=True)
-        self.log("val_auc", self.val_auc, on_step=False, on_epoch=True, sync_dist=True, prog_bar=True)
-
-    @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.hparams.optimizer == "adagrad":
-            return torch.optim.Adagrad(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+__all__ = ["DLRM", "DLRMCLI"]
 
 
 class DLRMCLI(LightningCLI):

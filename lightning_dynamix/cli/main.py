@@ -6,7 +6,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, demo, policy, report
+from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, demo, policy, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     policy_bench = benchmarks.add_parser("policy", help="PPOController's decision time at several world sizes")
     policy.add_bench_arguments(policy_bench)
     policy_bench.set_defaults(func=policy.run_bench)
+    offload = benchmarks.add_parser(
+        "offload", help="LayerOffloadStrategy against one process: step time, and the largest tables in a memory budget"
+    )
+    bench_offload.add_arguments(offload)
+    offload.set_defaults(func=bench_offload.run)
     return parser
 
 

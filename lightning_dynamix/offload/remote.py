@@ -59,8 +59,19 @@ class EmbeddingClient:
         self.step = 0  # the training step lookups are for; advanced by every push
         self._recorded: list[_Lookup] = []
         self._pushes: list[tuple[int, torch.futures.Future]] = []
+        self.closed = False
+
+    def close(self) -> None:
+        """The servers are stopping: any later use is an error that says so."""
+        self.closed = True
 
     def _call(self, server: int, function: Any, *args: Any) -> torch.futures.Future:
+        if self.closed:
+            raise EmbeddingServerError(
+                "the embedding servers of this table have stopped with the Trainer run that started them;"
+                " its trained tables are in that run's checkpoints (or were copied back into the model's own"
+                " embedding modules at its end)"
+            )
         try:
             return rpc.rpc_async(server_name(server), function, args=args, timeout=self.timeout_s)
         except RuntimeError as error:

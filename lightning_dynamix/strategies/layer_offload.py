@@ -45,7 +45,7 @@ from typing_extensions import override
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
-from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, remote_module
+from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, EmbeddingServerError, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 
@@ -236,6 +236,7 @@ class LayerOffloadStrategy(DDPStrategy):
     def _launch(self, address: str, server: int, num_trainers: int) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
         env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
+        env["OMP_NUM_THREADS"] = "1"
         command = [
             sys.executable,
             "-m",
@@ -366,13 +367,21 @@ class LayerOffloadStrategy(DDPStrategy):
         try:
             if not self._failed:
                 client.flush()
-                if self.return_embeddings:
+            if self.return_embeddings:
+                try:
                     for name, embedding in self._offloaded.items():
                         table = client.table(name, embedding.num_embeddings)
                         embedding.weight = nn.Parameter(table.to(self.root_device))
+                except EmbeddingServerError:
+                    if not self._failed:
+                        raise
+            if not self._failed:
                 client.finish()
         finally:
-            if module is not None:
+            client.close()
+            # modules whose rows did not come back keep their stand-ins, which say where the tables went
+            whole = all(not embedding.weight.is_meta for embedding in self._offloaded.values())
+            if module is not None and whole:
                 for name, embedding in self._offloaded.items():
                     _set_submodule(module, name, embedding)
             self._offloaded = {}

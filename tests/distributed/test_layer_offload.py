@@ -10,6 +10,8 @@ killed server makes the job fail with an error naming it, and leaves no process 
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,6 +118,28 @@ def test_resume_from_two_servers_onto_three_continues_identically(one_trainer, j
 
 def test_resume_two_trainers_from_one_server_onto_two(two_trainers, job):
     assert_same(torch.load(two_trainers / "resume-sgd-1-2.pt"), reference(job, "sgd", 2))
+
+
+def test_servers_started_with_the_serve_command_train_the_same(tmp_path, job):
+    port = free_port()
+    command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]
+    servers = [
+        subprocess.Popen([*command, "--server-rank", str(s), "--num-servers", "2", "--num-trainers", "2"])
+        for s in range(2)
+    ]
+    try:
+        run_job("offload_job.py", 2, tmp_path, f"external-sgd-2-{port}", cwd=tmp_path)
+        assert [server.wait(timeout=30) for server in servers] == [0, 0]  # they stop with the job
+    finally:
+        for server in servers:
+            server.kill()
+    assert_same(torch.load(tmp_path / f"external-sgd-2-{port}.pt"), reference(job, "sgd", 2))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
 
 
 def test_a_killed_server_fails_the_job_with_its_name_and_leaves_no_process(tmp_path: Path):

@@ -6,7 +6,8 @@ A scenario is ``OPTIMIZER-SERVERS-STALENESS`` (``adagrad-2-0``): 2 epochs of 10 
 trainer, unshuffled, so the trainers' batches of a step are one contiguous block of samples. Rank 0
 writes the whole trained model (the tables come back from the servers at the end) to
 ``OUT/<scenario>.pt``. ``resume-OPTIMIZER-OLD-NEW``: one epoch on OLD servers with a checkpoint,
-then a second Trainer resumes it on NEW servers. ``kill``: server 1 is killed at step 3; the job
+then a second Trainer resumes it on NEW servers. ``external-OPTIMIZER-SERVERS-PORT``: the servers
+were started with ``python -m lightning_dynamix.serve`` at PORT. ``kill``: server 1 is killed at step 3; the job
 must fail (with the server pids in ``OUT/kill-pids.txt``).
 """
 
@@ -84,7 +85,7 @@ def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int
     trainer = Trainer(
         accelerator="cpu",
         devices=trainers,
-        strategy=LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness),
+        strategy=LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, **kwargs),
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=bool([c for c in callbacks if isinstance(c, ModelCheckpoint)]),
@@ -105,7 +106,11 @@ def main() -> None:
         if scenario == "kill":
             fit(trainers, "sgd", 2, 0, EPOCHS, out, callbacks=[KillServer(out)])
             continue
-        if scenario.startswith("resume-"):
+        if scenario.startswith("external-"):
+            _, optimizer, servers, port = scenario.split("-")
+            kwargs = {"launch_servers": False, "server_port": int(port)}
+            trainer, model = fit(trainers, optimizer, int(servers), 0, EPOCHS, out, **kwargs)
+        elif scenario.startswith("resume-"):
             _, optimizer, old, new = scenario.split("-")
             checkpoints = out / scenario
             fit(trainers, optimizer, int(old), 0, 1, out, callbacks=[ModelCheckpoint(checkpoints, save_top_k=-1)])

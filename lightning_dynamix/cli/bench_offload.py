@@ -1,0 +1,168 @@
+"""``dynamix bench offload``: LayerOffloadStrategy against the same DLRM trained in one process.
+
+Two measurements, both of one trainer process on this machine:
+
+* speed: the median step time and samples/s of the DLRM example (26 Criteo-like tables), with the
+  tables in the trainer (plain Lightning) and on 1 or 2 embedding servers at staleness 0 and 1,
+  run back to back in rounds;
+* memory: for each set-up, the largest rows per table (26 tables, doubling) that trains within a
+  fixed budget of trainer memory (peak resident set size), each size probed in a fresh process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dynamix.cli.bench import _config, _machine
+from lightning_dynamix.cli.dlrm import DLRM
+from lightning_dynamix.cli.timing import StepTimer
+from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
+from lightning_dynamix.strategies import LayerOffloadStrategy
+
+NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)
+# (name, servers, staleness); servers 0: the tables in the trainer, plain Lightning
+SETUPS = [("in-process", 0, 0), ("1 server", 1, 0), ("1 server, staleness 1", 1, 1), ("2 servers", 2, 0)]
+SETUPS.append(("2 servers, staleness 1", 2, 1))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=512, help="samples per step (default 512)")
+    parser.add_argument("--embedding-dim", type=int, default=16, help="values per embedding row (default 16)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every set-up (default 3)")
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
+    parser.add_argument(
+        "--memory-budget-mib", type=int, default=1536, help="trainer peak memory budget, MiB (default 1536)"
+    )
+    parser.add_argument(
+        "--max-rows", type=int, default=2**21, help="the largest rows per table probed (default 2097152)"
+    )
+    parser.add_argument("--skip-memory", action="store_true", help="measure speed only")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--probe-rows", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-servers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _trainer(servers: int, staleness: int, steps: int, callbacks: list[Any]) -> Trainer:
+    strategy: Any = "auto"
+    if servers:
+        strategy = LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, return_embeddings=False)
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
+def _speed(args: argparse.Namespace) -> dict[str, Any]:
+    steps: dict[str, list[float]] = {name: [] for name, _, _ in SETUPS}
+    samples = args.batch_size * (args.steps + args.warmup + 1)
+    for round_index in range(args.rounds):
+        order = SETUPS if round_index % 2 == 0 else SETUPS[::-1]
+        for name, servers, staleness in order:
+            data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
+            model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)
+            timer = StepTimer(warmup=args.warmup)
+            _trainer(servers, staleness, args.steps + args.warmup + 1, [timer]).fit(model, datamodule=data)
+            steps[name].append(timer.timings[0].median_step_seconds)
+            print(f"round {round_index} {name:>24}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
+    base = statistics.median(steps["in-process"])
+    return {
+        name: {
+            "median_step_ms": 1e3 * statistics.median(values),
+            "samples_per_s": args.batch_size / statistics.median(values),
+            "step_time_vs_in_process": statistics.median(values) / base,
+            "step_ms_per_round": [1e3 * v for v in values],
+        }
+        for name, values in steps.items()
+    }
+
+
+def _probe(args: argparse.Namespace) -> None:
+    """One short fit with ``--probe-rows`` rows per table; prints the trainer's peak memory."""
+    rows, servers = args.probe_rows, args.probe_servers
+    generator = torch.Generator().manual_seed(0)
+    count = args.batch_size * 4
+    data = TensorDataset(
+        torch.randn(count, 13, generator=generator),
+        torch.randint(0, rows, (count, NUM_TABLES), generator=generator),
+        torch.randint(0, 2, (count,), generator=generator).float(),
+    )
+    # the tables of an offloaded model are never built in the trainer (meta device)
+    model = DLRM(table_sizes=[rows] * NUM_TABLES, embedding_dim=args.embedding_dim, meta_embeddings=servers > 0)
+    _trainer(servers, 0, 4, []).fit(model, DataLoader(data, batch_size=args.batch_size))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    print(json.dumps({"rows": rows, "servers": servers, "peak_bytes": peak}))
+
+
+def _peak_bytes(args: argparse.Namespace, rows: int, servers: int) -> int | None:
+    command = [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "offload", "--probe-rows", str(rows)]
+    command += ["--probe-servers", str(servers), "--batch-size", str(args.batch_size)]
+    command += ["--embedding-dim", str(args.embedding_dim)]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:  # out of memory, or a failure: this size does not train
+        return None
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
+
+
+def _memory(args: argparse.Namespace) -> dict[str, Any]:
+    budget = args.memory_budget_mib * 2**20
+    results = {}
+    for name, servers in (("in-process", 0), ("1 server", 1), ("2 servers", 2)):
+        rows, largest, probes = 2**14, None, []
+        while rows <= args.max_rows:
+            peak = _peak_bytes(args, rows, servers)
+            probes.append({"rows": rows, "peak_mib": None if peak is None else peak / 2**20})
+            print(f"{name:>10}: {rows:>9} rows per table, trainer peak {probes[-1]['peak_mib']} MiB", flush=True)
+            if peak is None or peak > budget:
+                break
+            largest, rows = rows, rows * 2
+        results[name] = {
+            "largest_rows_per_table": largest,
+            "table_bytes_at_largest": None if largest is None else largest * NUM_TABLES * args.embedding_dim * 4,
+            "reached_max_rows": largest == args.max_rows,
+            "probes": probes,
+        }
+    return results
+
+
+def run(args: argparse.Namespace) -> None:
+    if args.probe_rows is not None:
+        _probe(args)
+        return
+    result: dict[str, Any] = {"benchmark": "offload", "config": _config(args), "machine": _machine()}
+    result["speed"] = _speed(args)
+    print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer (CPU)")
+    print(f"{'set-up':>24}  {'ms/step':>8}  {'samples/s':>9}  {'vs in-process':>13}")
+    for name, row in result["speed"].items():
+        print(
+            f"{name:>24}  {row['median_step_ms']:>8.2f}  {row['samples_per_s']:>9.0f}"
+            f"  {row['step_time_vs_in_process']:>13.2f}"
+        )
+    if not args.skip_memory:
+        result["memory"] = _memory(args)
+        print(f"\nlargest rows per table within {args.memory_budget_mib} MiB of trainer memory:")
+        for name, row in result["memory"].items():
+            cap = " (the largest probed)" if row["reached_max_rows"] else ""
+            print(f"{name:>10}: {row['largest_rows_per_table']}{cap}")
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2))

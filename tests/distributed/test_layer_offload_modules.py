@@ -1,0 +1,103 @@
+"""Remote tables behave as the modules they replace: EmbeddingBag modes, padding, per-sample weights.
+
+One trainer (this process) and embedding servers the strategy starts; each fit is compared with the
+same model trained by plain Lightning.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dynamix.strategies import LayerOffloadStrategy
+
+pytestmark = pytest.mark.distributed
+
+ROWS = 40
+
+
+class BagModel(LightningModule):
+    """A padded embedding, a mean bag with padding, a weighted sum bag with offsets, and a dense head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens = nn.Embedding(ROWS, 4, padding_idx=0, scale_grad_by_freq=True)
+        self.bag = nn.EmbeddingBag(ROWS, 4, mode="mean", padding_idx=1)
+        self.weighted = nn.EmbeddingBag(ROWS, 4, mode="sum")
+        self.head = nn.Linear(12, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        offsets = torch.arange(0, flat.numel(), ids.shape[1])
+        weights = torch.linspace(0.5, 1.5, flat.numel())
+        features = [
+            self.tokens(ids).mean(1),
+            self.bag(ids),
+            self.weighted(flat, offsets, per_sample_weights=weights),
+        ]
+        return self.head(torch.cat(features, 1)).squeeze(1)
+
+    def training_step(self, batch, batch_idx):
+        ids, target = batch
+        return ((self(ids) - target) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def data(high: int = ROWS) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, high, (64, 5), generator=generator)
+    ids[:, 0] = torch.randint(0, 2, (64,), generator=generator)  # padding rows in every batch
+    return DataLoader(TensorDataset(ids, torch.randn(64, generator=generator)), batch_size=16)
+
+
+def trainer(**kwargs) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
+def test_bags_padding_and_weights_train_as_in_one_process():
+    expected = BagModel()
+    served = copy.deepcopy(expected)
+    trainer().fit(expected, data())
+    trainer(strategy=LayerOffloadStrategy(num_embedding_servers=2)).fit(served, data())
+    assert isinstance(served.bag, nn.EmbeddingBag)  # the trained tables came back into the model
+    for (name, value), other in zip(served.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(value, other, atol=1e-5, rtol=0, msg=name)
+    assert served.tokens.weight[0].abs().sum() == 0  # the padding row never trained
+
+
+def test_an_id_outside_a_table_names_the_table_and_the_id():
+    model = BagModel()
+    with pytest.raises(ValueError, match=r"embedding 'tokens': id \d+ is outside \[0, 40\)"):
+        trainer(strategy=LayerOffloadStrategy(offload=["tokens"])).fit(model, data(high=ROWS + 5))
+    assert isinstance(model.tokens, nn.Embedding)  # the servers were alive: the table came back
+
+
+def test_tables_built_on_the_meta_device_are_initialised_by_their_servers():
+    with torch.device("meta"):
+        big = nn.Embedding(1_000_000, 4, padding_idx=3)
+    model = BagModel()
+    model.tokens = big
+    trainer(strategy=LayerOffloadStrategy(num_embedding_servers=2, offload=["tokens"])).fit(model, data())
+    weight = model.tokens.weight
+    assert weight.device.type == "cpu"
+    assert weight.shape == (1_000_000, 4)
+    assert weight[3].abs().sum() == 0
+    assert 0.9 < weight[100_000:].std().item() < 1.1  # untouched rows: N(0, 1), as nn.Embedding's own

@@ -1,0 +1,96 @@
+"""The embedding server's step protocol, in one process: when lookups are answered and updates applied."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dynamix.offload import EmbeddingServer, RowSGD, TableSpec
+from lightning_dynamix.serve import main as serve_main
+
+ROWS, DIM = 6, 2
+
+
+def server(num_trainers: int = 1, staleness: int = 0) -> EmbeddingServer:
+    s = EmbeddingServer(0, 1, num_trainers, staleness)
+    s.create_table(TableSpec("t", ROWS, DIM, RowSGD(lr=1.0)), torch.zeros(ROWS, DIM))
+    return s
+
+
+def push(s: EmbeddingServer, trainer: int, step: int, row: int = 0, value: float = 1.0) -> None:
+    s.push(trainer, step, {"t": (torch.tensor([row]), torch.full((1, DIM), value))})
+
+
+def looked_up(s: EmbeddingServer, step: int | None, row: int = 0):
+    future = s.lookup("t", step, torch.tensor([row]))
+    return float(future.value()[0, 0]) if future.done() else None
+
+
+def test_synchronous_lookup_waits_for_every_trainers_push_and_sees_their_mean():
+    s = server(num_trainers=2)
+    assert looked_up(s, 0) == 0.0
+    push(s, 0, 0, value=1.0)
+    waiting = s.lookup("t", 1, torch.tensor([0]))
+    assert not waiting.done()  # trainer 1 has not pushed step 0 yet
+    push(s, 1, 0, value=3.0)
+    assert waiting.done()
+    assert float(waiting.value()[0, 0]) == -2.0  # minus the mean of 1 and 3, at lr 1
+
+
+def test_staleness_one_answers_before_the_previous_update_and_never_later():
+    s = server(staleness=1)
+    push(s, 0, 0)
+    assert looked_up(s, 1) == 0.0  # update 0 is not applied: step 1 sees the tables after update -1
+    push(s, 0, 1)
+    assert s.applied == 0  # update 1 waits for the lookups of step 2
+    assert looked_up(s, 2) == -1.0
+    assert looked_up(s, 3) is None  # needs update 1, which needs step 2's push
+
+
+def test_flush_applies_everything_pushed_and_evaluation_reads_it():
+    s = server(staleness=1)
+    push(s, 0, 0)
+    push(s, 0, 1)
+    flushed = s.flush(1)
+    assert flushed.done()
+    assert looked_up(s, None) == -2.0
+
+
+def test_a_push_out_of_order_or_for_an_unknown_table_is_an_error():
+    s = server()
+    with pytest.raises(RuntimeError, match="pushed step 1 after step -1"):
+        push(s, 0, 1)
+    with pytest.raises(KeyError, match="holds no table 'nope'"):
+        s.push(0, 0, {"nope": (torch.tensor([0]), torch.ones(1, DIM))})
+
+
+def test_save_and_load_into_another_server_count(tmp_path):
+    s = server()
+    push(s, 0, 0, row=3, value=2.0)
+    s.flush(0)
+    s.save(str(tmp_path / "server-0-of-1.pt"))
+    halves = [EmbeddingServer(rank, 2, 1) for rank in range(2)]
+    for half in halves:
+        half.create_table(TableSpec("t", ROWS, DIM, RowSGD(lr=1.0)), torch.ones(ROWS // 2, DIM))
+        half.load([str(tmp_path / "server-0-of-1.pt")])
+    assert halves[1].rows("t")[1, 0] == -2.0  # row 3 is server 1's local row 1
+    assert halves[0].rows("t").abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--server-rank", "2", "--num-servers", "2"], "`server_rank` must be in"),
+        (["--server-rank", "0", "--num-servers", "0"], "`num_servers` must be"),
+    ],
+)
+def test_serve_rejects_bad_arguments_before_joining(args, message, capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--address", "127.0.0.1:29999", "--num-trainers", "1", *args])
+    assert message in capsys.readouterr().err
+
+
+def test_serve_rejects_an_address_without_port(capsys):
+    with pytest.raises(SystemExit):
+        serve_main(["--address", "somehost", "--server-rank", "0", "--num-servers", "1", "--num-trainers", "1"])
+    assert "--address" in capsys.readouterr().err

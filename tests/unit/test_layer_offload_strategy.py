@@ -1,0 +1,103 @@
+"""LayerOffloadStrategy's arguments and the models it refuses, each with a message that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dynamix.offload import RowAdagrad, RowSGD, sparse_counterpart
+from lightning_dynamix.strategies import LayerOffloadStrategy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_embedding_servers": 0}, "`num_embedding_servers` must be an int >= 1, got 0"),
+        ({"sparse_optimizer": "adam"}, "`sparse_optimizer` must be one of ['adagrad', 'sgd']"),
+        ({"sparse_optimizer": "sgd", "sparse_optimizer_args": {"momentum": 0.9}}, "bad arguments"),
+        ({"sparse_optimizer_args": {"lr": 0.1}}, "without a `sparse_optimizer`"),
+        ({"staleness": -1}, "`staleness` must be an int >= 0, got -1"),
+        ({"offload": "embeddings"}, "`offload` must be 'auto' or a non-empty list"),
+        ({"offload": []}, "`offload` must be 'auto' or a non-empty list"),
+        ({"offload": ["a", "a"]}, "distinct module names"),
+        ({"launch_servers": False}, "`server_port` is required with launch_servers=False"),
+        ({"server_port": 70000}, "HOST:PORT"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        LayerOffloadStrategy(**kwargs)
+
+
+def test_the_strategy_is_registered_by_name():
+    trainer = Trainer(strategy="layer_offload", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, LayerOffloadStrategy)
+
+
+def test_sparse_counterpart_mirrors_sgd_and_adagrad_and_refuses_the_rest():
+    weight = nn.Parameter(torch.zeros(2))
+    assert vars(sparse_counterpart(torch.optim.SGD([weight], lr=0.3))) == vars(RowSGD(lr=0.3))
+    adagrad = torch.optim.Adagrad([weight], lr=0.2, lr_decay=0.1, initial_accumulator_value=0.5, eps=1e-8)
+    assert vars(sparse_counterpart(adagrad)) == vars(RowAdagrad(0.2, 0.1, 0.5, 1e-8))
+    with pytest.raises(ValueError, match="momentum"):
+        sparse_counterpart(torch.optim.SGD([weight], lr=0.3, momentum=0.9))
+    with pytest.raises(ValueError, match="Adam, which has no sparse counterpart"):
+        sparse_counterpart(torch.optim.Adam([weight]))
+
+
+class Model(LightningModule):
+    def __init__(self, tied: bool = False, max_norm: float | None = None) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4, max_norm=max_norm)
+        self.head = nn.Linear(4, 10, bias=False)
+        if tied:
+            self.head.weight = self.table.weight
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.head(self.table(ids)).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(model: LightningModule, **kwargs) -> None:
+    trainer = Trainer(
+        strategy=LayerOffloadStrategy(**kwargs),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+
+
+@pytest.mark.parametrize(
+    ("model", "kwargs", "message"),
+    [
+        (Model(), {"offload": ["tabel"]}, "`offload` names 'tabel', which is not a module of Model; its embedding"),
+        (Model(), {"offload": ["head"]}, "`offload` names 'head', a Linear; only nn.Embedding and nn.EmbeddingBag"),
+        (Model(tied=True), {}, "the weights of ['table'] are also used by other modules"),
+        (Model(max_norm=1.0), {}, "has max_norm=1.0"),
+    ],
+)
+def test_models_that_cannot_be_offloaded_are_refused_before_any_server_starts(model, kwargs, message):
+    with pytest.raises(MisconfigurationException, match=message.replace("[", r"\[").replace("]", r"\]")):
+        fit(model, **kwargs)
+
+
+def test_a_model_without_embeddings_is_refused():
+    class Dense(Model):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Identity()
+
+    with pytest.raises(MisconfigurationException, match=r"found no nn\.Embedding or nn\.EmbeddingBag in Dense"):
+        fit(Dense())
