@@ -1,7 +1,7 @@
 """lightning-dynamix: fast data-parallel training on heterogeneous clusters.
 
 Importing the package registers its Lightning strategies, so ``Trainer(strategy="heterogeneous_ddp")``
-works.
+and ``Trainer(strategy="layer_offload")`` work.
 """
 
 from lightning_dynamix.callbacks import ClusterMetricsMonitor, DynamixCallback, HeterogeneityEmulator
@@ -16,7 +16,7 @@ from lightning_dynamix.control import (
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
 from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
 
 __version__ = "0.1.0"
 
@@ -32,6 +32,7 @@ __all__ = [
     "HeterogeneousBatchSampler",
     "HeterogeneousDDPStrategy",
     "HeterogeneousDataLoader",
+    "LayerOffloadStrategy",
     "PIDController",
     "StaticController",
     "SyncWindowWeighting",

@@ -69,7 +69,8 @@ def run_server(
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m lightning_dynamix.serve``."""
     parser = argparse.ArgumentParser(prog="python -m lightning_dynamix.serve", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", required=True, type=parse_address, help="HOST:PORT of the job's rendezvous")
     parser.add_argument("--server-rank", required=True, type=int, help="this server, 0 .. num-servers - 1")
@@ -80,6 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds without a request before giving up"
     )
     parser.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         EmbeddingServer(args.server_rank, args.num_servers, args.num_trainers, args.staleness)

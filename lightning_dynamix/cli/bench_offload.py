@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -34,6 +35,7 @@ NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)
 # (name, servers, staleness); servers 0: the tables in the trainer, plain Lightning
 SETUPS = [("in-process", 0, 0), ("1 server", 1, 0), ("1 server, staleness 1", 1, 1), ("2 servers", 2, 0)]
 SETUPS.append(("2 servers, staleness 1", 2, 1))
+_JOB_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,17 +51,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-rows", type=int, default=2**21, help="the largest rows per table probed (default 2097152)"
     )
     parser.add_argument("--skip-memory", action="store_true", help="measure speed only")
+    parser.add_argument("--skip-speed", action="store_true", help="measure memory only")
+    parser.add_argument(
+        "--accelerator", default="cpu", help="the trainer's device: cpu (default) or gpu (the servers stay on CPU)"
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--probe-rows", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-servers", type=int, default=0, help=argparse.SUPPRESS)
 
 
-def _trainer(servers: int, staleness: int, steps: int, callbacks: list[Any]) -> Trainer:
+def _trainer(servers: int, staleness: int, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
     strategy: Any = "auto"
     if servers:
         strategy = LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, return_embeddings=False)
     return Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         strategy=strategy,
         max_steps=steps,
@@ -82,7 +88,8 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
             data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
             model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)
             timer = StepTimer(warmup=args.warmup)
-            _trainer(servers, staleness, args.steps + args.warmup + 1, [timer]).fit(model, datamodule=data)
+            trainer = _trainer(servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator)
+            trainer.fit(model, datamodule=data)
             steps[name].append(timer.timings[0].median_step_seconds)
             print(f"round {round_index} {name:>24}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
     base = statistics.median(steps["in-process"])
@@ -118,8 +125,11 @@ def _peak_bytes(args: argparse.Namespace, rows: int, servers: int) -> int | None
     command = [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "offload", "--probe-rows", str(rows)]
     command += ["--probe-servers", str(servers), "--batch-size", str(args.batch_size)]
     command += ["--embedding-dim", str(args.embedding_dim)]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    # a fresh job: not the variables Lightning left in this process for the runs of the speed measurement
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:  # out of memory, or a failure: this size does not train
+        print(f"{rows} rows per table on {servers} servers failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_bytes"])
 
@@ -150,10 +160,12 @@ def run(args: argparse.Namespace) -> None:
         _probe(args)
         return
     result: dict[str, Any] = {"benchmark": "offload", "config": _config(args), "machine": _machine()}
-    result["speed"] = _speed(args)
-    print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer (CPU)")
+    if not args.skip_speed:
+        result["speed"] = _speed(args)
+    device = "CPU" if args.accelerator == "cpu" else args.accelerator.upper()
+    print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer ({device})")
     print(f"{'set-up':>24}  {'ms/step':>8}  {'samples/s':>9}  {'vs in-process':>13}")
-    for name, row in result["speed"].items():
+    for name, row in result.get("speed", {}).items():
         print(
             f"{name:>24}  {row['median_step_ms']:>8.2f}  {row['samples_per_s']:>9.0f}"
             f"  {row['step_time_vs_in_process']:>13.2f}"

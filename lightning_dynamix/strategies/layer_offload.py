@@ -45,7 +45,7 @@ from typing_extensions import override
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
-from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, EmbeddingServerError, remote_module
+from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 
@@ -372,9 +372,9 @@ class LayerOffloadStrategy(DDPStrategy):
                     for name, embedding in self._offloaded.items():
                         table = client.table(name, embedding.num_embeddings)
                         embedding.weight = nn.Parameter(table.to(self.root_device))
-                except EmbeddingServerError:
+                except Exception:
                     if not self._failed:
-                        raise
+                        raise  # after a failure, the tables come back where they still can
             if not self._failed:
                 client.finish()
         finally:

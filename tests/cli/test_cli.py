@@ -129,3 +129,21 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
         "weighted hook, weight 1",
         "weighted hook, weight 0.5",
     }
+
+
+def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_allows(tmp_path):
+    out = tmp_path / "offload.json"
+    dynamix(
+        "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--batch-size", "64",
+        "--max-rows", "32768", "--memory-budget-mib", "4096", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["speed"]) == {"in-process", "1 server", "1 server, staleness 1", "2 servers",
+                                    "2 servers, staleness 1"}  # fmt: skip
+    assert all(row["median_step_ms"] > 0 for row in result["speed"].values())
+    for name in ("in-process", "1 server", "2 servers"):
+        memory = result["memory"][name]
+        assert memory["largest_rows_per_table"] == 32768  # both probed sizes fit 4 GiB
+        assert [p["rows"] for p in memory["probes"]] == [16384, 32768]
+        assert all(p["peak_mib"] > 0 for p in memory["probes"])

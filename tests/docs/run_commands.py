@@ -37,6 +37,7 @@ LONG: dict[str, str] = {
     ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
     ".venv/bin/dynamix train-policy --preset default": "about 35 minutes; the docs train a tiny policy",
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
+    "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
 }
 
 # what a command needs from a long one, produced by a short run of it first
@@ -125,6 +126,13 @@ def check_without_running(command: str) -> None:
             build_parser().parse_args(words[1:])
         except SystemExit as exit_:
             raise AssertionError(f"`{command}`: the dynamix command rejects these arguments") from exit_
+    elif words[:3] == ["python", "-m", "lightning_dynamix.serve"]:
+        from lightning_dynamix.serve import build_parser as serve_parser
+
+        try:
+            serve_parser().parse_args(words[3:])
+        except SystemExit as exit_:
+            raise AssertionError(f"`{command}`: the server rejects these arguments") from exit_
     elif words[0] == "make":
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
         assert all(w in targets for w in words[1:]), f"`{command}`: no such target in the Makefile ({targets})"

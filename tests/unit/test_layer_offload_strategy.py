@@ -101,3 +101,16 @@ def test_a_model_without_embeddings_is_refused():
 
     with pytest.raises(MisconfigurationException, match=r"found no nn\.Embedding or nn\.EmbeddingBag in Dense"):
         fit(Dense())
+
+
+def test_an_optimizer_without_a_sparse_counterpart_is_refused_and_the_model_keeps_its_table():
+    class WithAdam(Model):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters())
+
+    model = WithAdam()
+    before = model.table.weight.detach().clone()
+    with pytest.raises(MisconfigurationException, match=r"Adam, which has no sparse counterpart.*sparse_optimizer"):
+        fit(model)
+    assert isinstance(model.table, nn.Embedding)
+    torch.testing.assert_close(model.table.weight.detach(), before)
