@@ -1,10 +1,29 @@
 """Placement: which layers run on which resource type, at the least cost for a throughput target (HeterPS).
 
 :func:`profile_model` measures a model's layers; a catalogue of :class:`ResourceType` says what can be
-rented, at what price.
+rented, at what price; a :class:`CostModel` prices placements of the layers on them for a throughput
+target, and the solvers find the cheapest (:func:`solve_dp` exactly, :func:`solve_brute_force` for small
+chains, :func:`solve_greedy` as the baseline), as a :class:`PlacementPlan`.
 """
 
 from lightning_dynamix.placement.catalogue import ResourceType, load_catalogue
+from lightning_dynamix.placement.cost import CostModel, InfeasibleError, PlacementPlan, Stage
 from lightning_dynamix.placement.profile import LayerProfile, ModelProfile, available_devices, profile_model
+from lightning_dynamix.placement.solvers import best_throughput, solve_brute_force, solve_dp, solve_greedy
 
-__all__ = ["LayerProfile", "ModelProfile", "ResourceType", "available_devices", "load_catalogue", "profile_model"]
+__all__ = [
+    "CostModel",
+    "InfeasibleError",
+    "LayerProfile",
+    "ModelProfile",
+    "PlacementPlan",
+    "ResourceType",
+    "Stage",
+    "available_devices",
+    "best_throughput",
+    "load_catalogue",
+    "profile_model",
+    "solve_brute_force",
+    "solve_dp",
+    "solve_greedy",
+]

@@ -1,0 +1,251 @@
+"""The cost of running a model's layers on rented resource types at a throughput target (HeterPS).
+
+A placement gives every layer of a chain a resource type. Consecutive layers on one type form a
+*stage*; stages run as a pipeline, each data-parallel over its own units. For a stage of layers
+``i..j`` on type ``k``:
+
+* one unit spends, per sample, the layers' profiled seconds on ``k``'s device divided by ``k``'s
+  relative speed for their kind, plus the transfer of the activations that cross its boundaries,
+  forward and their gradients backward (``2 * bytes / link_bandwidth`` per boundary);
+* ``u`` units give ``u / seconds_per_sample`` samples/s (ideal data parallelism), and the stage gets
+  the fewest units that meet the target and hold its parameters: dense parameters are replicated on
+  every unit, sparse ones (embedding tables) sharded over them, each held ``parameter_copies`` times
+  (weights, gradients, optimiser state);
+* the pipeline's throughput is its slowest stage's; a placement is feasible when every stage meets
+  the target within its type's memory and the units of each type, summed over its stages, are
+  available.
+
+Its cost is the units' price per hour, and for ``training_samples`` samples that price over the
+hours they take at the target throughput (a pipeline provisioned for a target runs at it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_dynamix._checks import require_number
+from lightning_dynamix.placement.catalogue import ResourceType
+from lightning_dynamix.placement.profile import ModelProfile
+
+
+class InfeasibleError(ValueError):
+    """No placement meets the throughput target with the resources of the catalogue."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Consecutive layers on one resource type.
+
+    Attributes:
+        first, last: the stage's first and last layer (indices into the profile, inclusive).
+        resource: the resource type's name.
+        units: units rented for it.
+        seconds_per_sample: one unit's seconds per sample, transfers included.
+        throughput: ``units / seconds_per_sample``, samples/s.
+        cost_per_hour: ``units`` times the type's price.
+    """
+
+    first: int
+    last: int
+    resource: str
+    units: int
+    seconds_per_sample: float
+    throughput: float
+    cost_per_hour: float
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Where every layer runs, how many units each stage rents, and what that costs.
+
+    Attributes:
+        layers: the layers' names, in execution order.
+        assignment: per layer, its resource type's name.
+        stages: the pipeline's stages.
+        throughput: predicted samples/s (the slowest stage's).
+        target_throughput: the samples/s the plan was made for.
+        cost_per_hour: all units' price per hour.
+        training_cost: the cost of ``training_samples`` samples at the target throughput.
+        training_samples: samples the training cost is for.
+        solver: which solver made the plan.
+    """
+
+    layers: tuple[str, ...]
+    assignment: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    throughput: float
+    target_throughput: float
+    cost_per_hour: float
+    training_cost: float
+    training_samples: int
+    solver: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["layers"], data["assignment"] = list(self.layers), list(self.assignment)
+        data["stages"] = [asdict(stage) for stage in self.stages]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PlacementPlan:
+        return cls(
+            layers=tuple(data["layers"]),
+            assignment=tuple(data["assignment"]),
+            stages=tuple(Stage(**stage) for stage in data["stages"]),
+            throughput=float(data["throughput"]),
+            target_throughput=float(data["target_throughput"]),
+            cost_per_hour=float(data["cost_per_hour"]),
+            training_cost=float(data["training_cost"]),
+            training_samples=int(data["training_samples"]),
+            solver=str(data.get("solver", "")),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON, or as YAML for a ``.yaml``/``.yml`` path."""
+        path = Path(path)
+        data = self.to_dict()
+        text = yaml.safe_dump(data, sort_keys=False) if path.suffix in (".yaml", ".yml") else json.dumps(data, indent=2)
+        path.write_text(text)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PlacementPlan:
+        """Read a plan written by :meth:`save` (JSON or YAML)."""
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()))  # JSON is YAML
+
+
+class CostModel:
+    """Prices placements of ``profile``'s layers on ``resources`` for a throughput target.
+
+    Args:
+        profile: the model's layers, measured.
+        resources: the resource types that can be rented.
+        target_throughput: samples/s the pipeline must sustain.
+        training_samples: samples of the whole training, for its cost.
+        parameter_copies: bytes held per parameter byte (weights, gradients, optimiser state).
+
+    Raises:
+        ValueError: for a bad argument, or a resource type that cannot run some layer at all (a
+            layer whose profile has no time for its device).
+    """
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        resources: Sequence[ResourceType],
+        target_throughput: float,
+        training_samples: int = 1,
+        parameter_copies: float = 3.0,
+    ) -> None:
+        if not profile.layers:
+            raise ValueError("the profile has no layers: nothing to place")
+        if not resources:
+            raise ValueError("`resources` is empty: give at least one resource type")
+        self.profile, self.resources = profile, tuple(resources)
+        self.target = require_number("target_throughput", target_throughput, 0.0, low_open=True)
+        if isinstance(training_samples, bool) or not isinstance(training_samples, int) or training_samples < 1:
+            raise ValueError(f"`training_samples` must be an int >= 1, got {training_samples!r}")
+        self.training_samples = training_samples
+        self.parameter_copies = require_number("parameter_copies", parameter_copies, 0.0)
+        layers = profile.layers
+        n = len(layers)
+        # prefix sums of layer seconds (per type), dense and sparse bytes: every stage in O(1)
+        self._seconds: list[list[float]] = []
+        for resource in self.resources:
+            device = "cuda" if resource.device == "gpu" and "cuda" in profile.devices else "cpu"
+            if device not in profile.devices:
+                raise ValueError(
+                    f"resource {resource.name!r} runs on {resource.device}, and the profile has no time for"
+                    f" {device} (it has {list(profile.devices)}): profile the model on {device}"
+                )
+            seconds = [layer.seconds[device] / resource.speed(layer.kind) for layer in layers]
+            self._seconds.append(_prefix(seconds))
+        self._dense = _prefix([layer.parameter_bytes if layer.kind == "dense" else 0 for layer in layers])
+        self._sparse = _prefix([layer.parameter_bytes if layer.kind == "sparse" else 0 for layer in layers])
+        self._activation = [layer.activation_bytes for layer in layers]
+        self.num_layers = n
+
+    def with_target(self, target_throughput: float) -> CostModel:
+        """The same model for another throughput target."""
+        other = copy.copy(self)
+        other.target = require_number("target_throughput", target_throughput, 0.0, low_open=True)
+        return other
+
+    def stage_seconds(self, first: int, last: int, resource: int) -> float:
+        """One unit's seconds per sample for layers ``first..last`` on type ``resource``, transfers included."""
+        kind = self.resources[resource]
+        seconds = self._seconds[resource][last + 1] - self._seconds[resource][first]
+        if first > 0:
+            seconds += 2 * self._activation[first - 1] / kind.link_bandwidth
+        if last < self.num_layers - 1:
+            seconds += 2 * self._activation[last] / kind.link_bandwidth
+        return seconds
+
+    def stage(self, first: int, last: int, resource: int) -> Stage | None:
+        """Stage ``first..last`` on resource type index ``resource``, or None when it cannot meet the target."""
+        kind = self.resources[resource]
+        seconds = self.stage_seconds(first, last, resource)
+        units = max(1, math.ceil(self.target * seconds * (1 - 1e-12)))
+        dense = self.parameter_copies * (self._dense[last + 1] - self._dense[first])
+        sparse = self.parameter_copies * (self._sparse[last + 1] - self._sparse[first])
+        if sparse > 0:
+            room = kind.memory_bytes - dense
+            if room <= 0:
+                return None
+            units = max(units, math.ceil(sparse / room))
+        elif dense > kind.memory_bytes:
+            return None
+        if units > kind.units:
+            return None
+        throughput = units / seconds if seconds > 0 else math.inf
+        return Stage(first, last, kind.name, units, seconds, throughput, units * kind.price_per_hour)
+
+    def plan(self, assignment: Sequence[int], solver: str = "") -> PlacementPlan | None:
+        """The plan of a per-layer assignment of resource type indices, or None when it is infeasible."""
+        if len(assignment) != self.num_layers:
+            raise ValueError(f"an assignment needs one resource per layer ({self.num_layers}), got {len(assignment)}")
+        stages, first = [], 0
+        for index in range(1, self.num_layers + 1):
+            if index == self.num_layers or assignment[index] != assignment[first]:
+                stage = self.stage(first, index - 1, assignment[first])
+                if stage is None:
+                    return None
+                stages.append(stage)
+                first = index
+        return self.plan_of_stages(stages, solver)
+
+    def plan_of_stages(self, stages: Sequence[Stage], solver: str = "") -> PlacementPlan | None:
+        """The plan made of ``stages`` (covering the layers in order), or None when units run out."""
+        used: dict[str, int] = {}
+        for stage in stages:
+            used[stage.resource] = used.get(stage.resource, 0) + stage.units
+        available = {r.name: r.units for r in self.resources}
+        if any(units > available[name] for name, units in used.items()):
+            return None
+        per_hour = sum(stage.cost_per_hour for stage in stages)
+        assignment = tuple(stage.resource for stage in stages for _ in range(stage.first, stage.last + 1))
+        return PlacementPlan(
+            layers=tuple(layer.name for layer in self.profile.layers),
+            assignment=assignment,
+            stages=tuple(stages),
+            throughput=min(stage.throughput for stage in stages),
+            target_throughput=self.target,
+            cost_per_hour=per_hour,
+            training_cost=per_hour * self.training_samples / self.target / 3600,
+            training_samples=self.training_samples,
+            solver=solver,
+        )
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    sums = [0.0]
+    for value in values:
+        sums.append(sums[-1] + value)
+    return sums

@@ -1,0 +1,176 @@
+"""Solvers for the cheapest placement of a layer chain: exact (dynamic programming), brute force, greedy.
+
+All three price placements with the same :class:`~lightning_dynamix.placement.cost.CostModel`.
+
+* :func:`solve_dp` is exact. A dynamic programme over the layer boundaries finds, for every prefix
+  of the chain and every type of its last stage, the cheapest placement. Two neighbouring stages
+  are always of different types, because equal neighbours would be one stage. When the relaxed
+  optimum, which counts each stage's units against its type alone, needs more units of a type than
+  there are, a second programme keeps every placement whose unit counts are not dominated, so
+  the answer stays exact.
+* :func:`solve_brute_force` tries every assignment. It is for small chains and for tests.
+* :func:`solve_greedy` is the baseline: every layer goes to the type where it alone costs least per
+  sample.
+
+Each raises :class:`~lightning_dynamix.placement.cost.InfeasibleError`, saying the best throughput
+that can be reached, when no placement meets the target.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from lightning_dynamix.placement.cost import CostModel, InfeasibleError, PlacementPlan, Stage
+
+
+def solve_dp(model: CostModel) -> PlacementPlan:
+    """The cheapest feasible placement, exactly."""
+    plan = _relaxed_dp(model)
+    if plan is None:
+        plan = _pareto_dp(model)
+    if plan is None:
+        raise _infeasible(model)
+    return plan
+
+
+def solve_brute_force(model: CostModel, max_assignments: int = 2_000_000) -> PlacementPlan:
+    """The cheapest feasible placement, by trying every assignment (``types ** layers`` of them)."""
+    count = len(model.resources) ** model.num_layers
+    if count > max_assignments:
+        raise ValueError(
+            f"brute force would try {count} assignments (more than max_assignments={max_assignments}); use solve_dp"
+        )
+    best: PlacementPlan | None = None
+    for assignment in itertools.product(range(len(model.resources)), repeat=model.num_layers):
+        plan = model.plan(assignment, solver="brute-force")
+        if plan is not None and (best is None or plan.cost_per_hour < best.cost_per_hour):
+            best = plan
+    if best is None:
+        raise _infeasible(model)
+    return best
+
+
+def solve_greedy(model: CostModel) -> PlacementPlan:
+    """Every layer on the type where it alone costs least per sample (price times its seconds)."""
+    assignment = []
+    for layer in range(model.num_layers):
+        costs = []
+        for index, resource in enumerate(model.resources):
+            stage = model.stage(layer, layer, index)
+            per_sample = math.inf if stage is None else resource.price_per_hour * stage.seconds_per_sample
+            costs.append(per_sample)
+        assignment.append(min(range(len(costs)), key=costs.__getitem__))
+    plan = model.plan(assignment, solver="greedy")
+    if plan is None:
+        raise InfeasibleError(
+            "the greedy placement (each layer on its cheapest type) is infeasible for this target;"
+            f" the exact solver may still find one. {_infeasible(model)}"
+        )
+    return plan
+
+
+def best_throughput(model: CostModel, iterations: int = 40) -> float:
+    """The highest target some placement meets (samples/s; 0 when none fits in memory at any speed)."""
+    fast = min(
+        max(r.units / max(model.stage_seconds(layer, layer, k), 1e-30) for k, r in enumerate(model.resources))
+        for layer in range(model.num_layers)
+    )
+    low, high = 0.0, fast * 1.000001
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        trial = model.with_target(middle)
+        if _relaxed_dp(trial) is not None or _pareto_dp(trial) is not None:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def _infeasible(model: CostModel) -> InfeasibleError:
+    best = best_throughput(model)
+    if best <= 0:
+        return InfeasibleError(
+            "no placement fits: some layers' parameters do not fit the memory of any resource type that"
+            " could hold them with the units available"
+        )
+    return InfeasibleError(
+        f"no placement reaches {model.target:g} samples/s with these resources; the best reachable is"
+        f" {best:.4g} samples/s"
+    )
+
+
+def _relaxed_dp(model: CostModel) -> PlacementPlan | None:
+    n, types = model.num_layers, len(model.resources)
+    inf = math.inf
+    # best[j][k]: cheapest placement of layers 0..j whose last stage, on type k, ends at j
+    best = [[inf] * types for _ in range(n)]
+    back: list[list[tuple[int, Stage] | None]] = [[None] * types for _ in range(n)]
+    for j in range(n):
+        for k in range(types):
+            for i in range(j + 1):
+                stage = model.stage(i, j, k)
+                if stage is None:
+                    continue
+                if i == 0:
+                    before, previous = 0.0, -1
+                else:
+                    before, previous = inf, -1
+                    for kk in range(types):
+                        if kk != k and best[i - 1][kk] < before:
+                            before, previous = best[i - 1][kk], kk
+                    if previous < 0:
+                        continue
+                total = before + stage.cost_per_hour
+                if total < best[j][k]:
+                    best[j][k] = total
+                    back[j][k] = (previous, stage)
+    last = min(range(types), key=lambda k: best[n - 1][k])
+    if best[n - 1][last] == inf:
+        return None
+    stages, j, k = [], n - 1, last
+    while j >= 0:
+        entry = back[j][k]
+        assert entry is not None
+        previous, stage = entry
+        stages.append(stage)
+        j, k = stage.first - 1, previous
+    return model.plan_of_stages(stages[::-1], solver="dp")
+
+
+def _pareto_dp(model: CostModel) -> PlacementPlan | None:
+    n, types = model.num_layers, len(model.resources)
+    available = [r.units for r in model.resources]
+    # front[j][k]: non-dominated (cost, units per type, stages) of placements of 0..j ending on type k at j
+    front: list[list[list[tuple[float, tuple[int, ...], tuple[Stage, ...]]]]] = [
+        [[] for _ in range(types)] for _ in range(n)
+    ]
+    for j in range(n):
+        for k in range(types):
+            candidates = []
+            for i in range(j + 1):
+                stage = model.stage(i, j, k)
+                if stage is None:
+                    continue
+                starts = [(0.0, (0,) * types, ())] if i == 0 else [
+                    entry for kk in range(types) if kk != k for entry in front[i - 1][kk]
+                ]  # fmt: skip
+                for cost, used, stages in starts:
+                    units = tuple(u + (stage.units if t == k else 0) for t, u in enumerate(used))
+                    if units[k] <= available[k]:
+                        candidates.append((cost + stage.cost_per_hour, units, (*stages, stage)))
+            front[j][k] = _non_dominated(candidates)
+    finals = [entry for k in range(types) for entry in front[n - 1][k]]
+    if not finals:
+        return None
+    return model.plan_of_stages(min(finals, key=lambda e: e[0])[2], solver="dp")
+
+
+def _non_dominated(
+    candidates: list[tuple[float, tuple[int, ...], tuple[Stage, ...]]],
+) -> list[tuple[float, tuple[int, ...], tuple[Stage, ...]]]:
+    kept: list[tuple[float, tuple[int, ...], tuple[Stage, ...]]] = []
+    for candidate in sorted(candidates, key=lambda e: (e[0], e[1])):
+        if not any(all(a <= b for a, b in zip(other[1], candidate[1])) for other in kept):
+            kept.append(candidate)  # cheaper ones came first: kept only if it saves units somewhere
+    return kept
