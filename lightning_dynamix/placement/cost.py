@@ -47,6 +47,7 @@ class Stage:
     Attributes:
         first, last: the stage's first and last layer (indices into the profile, inclusive).
         resource: the resource type's name.
+        device: the resource type's device (``"cpu"`` or ``"gpu"``).
         units: units rented for it.
         seconds_per_sample: one unit's seconds per sample, transfers included.
         throughput: ``units / seconds_per_sample``, samples/s.
@@ -56,6 +57,7 @@ class Stage:
     first: int
     last: int
     resource: str
+    device: str
     units: int
     seconds_per_sample: float
     throughput: float
@@ -68,6 +70,7 @@ class PlacementPlan:
 
     Attributes:
         layers: the layers' names, in execution order.
+        kinds: per layer, ``"sparse"`` or ``"dense"``.
         assignment: per layer, its resource type's name.
         stages: the pipeline's stages.
         throughput: predicted samples/s (the slowest stage's).
@@ -79,6 +82,7 @@ class PlacementPlan:
     """
 
     layers: tuple[str, ...]
+    kinds: tuple[str, ...]
     assignment: tuple[str, ...]
     stages: tuple[Stage, ...]
     throughput: float
@@ -88,9 +92,28 @@ class PlacementPlan:
     training_samples: int
     solver: str = ""
 
+    def offloaded_layers(self) -> list[str]:
+        """The sparse layers (embedding tables) the plan puts on CPU resource types: the embedding servers'."""
+        return [
+            self.layers[index]
+            for stage in self.stages
+            if stage.device == "cpu"
+            for index in range(stage.first, stage.last + 1)
+            if self.kinds[index] == "sparse"
+        ]
+
+    def embedding_servers(self) -> int:
+        """Units of the CPU stages that hold the offloaded layers (at least 1)."""
+        units = sum(
+            stage.units
+            for stage in self.stages
+            if stage.device == "cpu" and "sparse" in self.kinds[stage.first : stage.last + 1]
+        )
+        return max(units, 1)
+
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["layers"], data["assignment"] = list(self.layers), list(self.assignment)
+        data["layers"], data["kinds"], data["assignment"] = list(self.layers), list(self.kinds), list(self.assignment)
         data["stages"] = [asdict(stage) for stage in self.stages]
         return data
 
@@ -98,6 +121,7 @@ class PlacementPlan:
     def from_dict(cls, data: dict[str, Any]) -> PlacementPlan:
         return cls(
             layers=tuple(data["layers"]),
+            kinds=tuple(data["kinds"]),
             assignment=tuple(data["assignment"]),
             stages=tuple(Stage(**stage) for stage in data["stages"]),
             throughput=float(data["throughput"]),
@@ -205,7 +229,7 @@ class CostModel:
         if units > kind.units:
             return None
         throughput = units / seconds if seconds > 0 else math.inf
-        return Stage(first, last, kind.name, units, seconds, throughput, units * kind.price_per_hour)
+        return Stage(first, last, kind.name, kind.device, units, seconds, throughput, units * kind.price_per_hour)
 
     def plan(self, assignment: Sequence[int], solver: str = "") -> PlacementPlan | None:
         """The plan of a per-layer assignment of resource type indices, or None when it is infeasible."""
@@ -233,6 +257,7 @@ class CostModel:
         assignment = tuple(stage.resource for stage in stages for _ in range(stage.first, stage.last + 1))
         return PlacementPlan(
             layers=tuple(layer.name for layer in self.profile.layers),
+            kinds=tuple(layer.kind for layer in self.profile.layers),
             assignment=assignment,
             stages=tuple(stages),
             throughput=min(stage.throughput for stage in stages),

@@ -48,6 +48,7 @@ from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
 from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
+from lightning_dynamix.placement import PlacementPlan
 
 STRATEGY_NAME = "layer_offload"
 CHECKPOINT_KEY = "embedding_servers"
@@ -58,9 +59,12 @@ class LayerOffloadStrategy(DDPStrategy):
     """DDP for the dense layers, with the embedding tables on CPU embedding servers.
 
     Args:
-        num_embedding_servers: CPU processes the tables' rows are sharded over.
+        num_embedding_servers: CPU processes the tables' rows are sharded over; default 1, or with a
+            plan the units of its CPU stages that hold tables.
         offload: ``"auto"`` for every ``nn.Embedding`` / ``nn.EmbeddingBag`` of the LightningModule,
-            or the names of the ones to offload (as in ``named_modules()``).
+            the names of the ones to offload (as in ``named_modules()``), or a
+            :class:`~lightning_dynamix.placement.PlacementPlan` (or the path of one, ``.json`` or
+            ``.yaml``): the tables it puts on CPU resource types.
         sparse_optimizer: the servers' optimiser: ``"sgd"``, ``"adagrad"`` or a
             :class:`~lightning_dynamix.offload.SparseRowOptimizer`; None (default) mirrors the
             LightningModule's optimizer (``torch.optim.SGD`` without momentum or weight decay, or
@@ -83,8 +87,8 @@ class LayerOffloadStrategy(DDPStrategy):
 
     def __init__(
         self,
-        num_embedding_servers: int = 1,
-        offload: str | Sequence[str] = "auto",
+        num_embedding_servers: int | None = None,
+        offload: str | Sequence[str] | PlacementPlan = "auto",
         sparse_optimizer: str | SparseRowOptimizer | None = None,
         sparse_optimizer_args: Mapping[str, Any] | None = None,
         staleness: int = 0,
@@ -94,8 +98,11 @@ class LayerOffloadStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.plan = _plan(offload)
+        self.offload = _validate_offload(offload if self.plan is None else self.plan.offloaded_layers())
+        if num_embedding_servers is None:
+            num_embedding_servers = 1 if self.plan is None else self.plan.embedding_servers()
         self.num_embedding_servers = require_int("num_embedding_servers", num_embedding_servers, 1)
-        self.offload = _validate_offload(offload)
         self.sparse_optimizer_args = dict(sparse_optimizer_args or {})
         if sparse_optimizer is None:
             if self.sparse_optimizer_args:
@@ -410,6 +417,24 @@ class LayerOffloadStrategy(DDPStrategy):
 
 
 _RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _plan(offload: object) -> PlacementPlan | None:
+    if isinstance(offload, PlacementPlan):
+        plan = offload
+    elif isinstance(offload, (str, Path)) and str(offload).endswith((".json", ".yaml", ".yml")):
+        if not Path(offload).is_file():
+            raise ValueError(f"`offload` names the plan file {str(offload)!r}, which does not exist")
+        plan = PlacementPlan.load(offload)
+    else:
+        return None
+    if not plan.offloaded_layers():
+        placed = dict(zip(plan.layers, plan.assignment))
+        raise ValueError(
+            f"the placement plan puts no embedding table on a CPU resource type ({placed});"
+            " there is nothing for embedding servers to hold"
+        )
+    return plan
 
 
 def _validate_offload(offload: object) -> str | tuple[str, ...]:

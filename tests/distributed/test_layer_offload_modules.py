@@ -14,6 +14,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dynamix.placement import CostModel, ResourceType, profile_model, solve_dp
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 pytestmark = pytest.mark.distributed
@@ -101,3 +102,31 @@ def test_tables_built_on_the_meta_device_are_initialised_by_their_servers():
     assert weight.shape == (1_000_000, 4)
     assert weight[3].abs().sum() == 0
     assert 0.9 < weight[100_000:].std().item() < 1.1  # untouched rows: N(0, 1), as nn.Embedding's own
+
+
+def test_a_placement_plan_file_chooses_the_tables_and_the_servers(tmp_path):
+    model = BagModel()
+    ids, target = next(iter(data()))
+    profile = profile_model(model, (ids, target), repeats=2, warmup=0)
+    cpu = ResourceType("cpu", "cpu", 0.1, 8, 64 * 2**30, 1e10, {"dense": 1.0, "sparse": 1.0})
+    gpu = ResourceType("gpu", "gpu", 2.0, 8, 16 * 2**30, 1e10, {"dense": 50.0, "sparse": 0.01})
+    plan = solve_dp(CostModel(profile, [cpu, gpu], target_throughput=10.0))
+    assert plan.offloaded_layers() == ["tokens", "bag", "weighted"]  # sparse layers are cheap on the CPU type
+    plan.save(tmp_path / "plan.json")
+    strategy = LayerOffloadStrategy(offload=str(tmp_path / "plan.json"))
+    assert strategy.offload == ("tokens", "bag", "weighted")
+    assert strategy.num_embedding_servers == plan.embedding_servers()
+    expected = copy.deepcopy(model)
+    trainer().fit(expected, data())
+    trainer(strategy=strategy).fit(model, data())
+    for (name, value), other in zip(model.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(value, other, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_plan_with_no_table_on_a_cpu_type_or_a_missing_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"plan file .*missing\.json.* does not exist"):
+        LayerOffloadStrategy(offload=str(tmp_path / "missing.json"))
+    profile = profile_model(BagModel(), next(iter(data())), repeats=1, warmup=0)
+    gpu = ResourceType("gpu", "gpu", 2.0, 8, 16 * 2**30, 1e10, {"dense": 50.0, "sparse": 5.0})
+    with pytest.raises(ValueError, match="puts no embedding table on a CPU resource type"):
+        LayerOffloadStrategy(offload=solve_dp(CostModel(profile, [gpu], 10.0)))
