@@ -6,7 +6,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, demo, policy, report
+from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, demo, plan, policy, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     policy.add_calibrate_arguments(calibrate)
     calibrate.set_defaults(func=policy.run_calibrate)
+
+    plan_parser = commands.add_parser(
+        "plan", help="profile a model and print the cheapest placement of its layers on a catalogue's resources"
+    )
+    plan.add_arguments(plan_parser)
+    plan_parser.set_defaults(func=plan.run)
 
     bench_parser = commands.add_parser("bench", help="measured benchmarks")
     benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)

@@ -147,3 +147,34 @@ def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_a
         assert memory["largest_rows_per_table"] == 32768  # both probed sizes fit 4 GiB
         assert [p["rows"] for p in memory["probes"]] == [16384, 32768]
         assert all(p["peak_mib"] > 0 for p in memory["probes"])
+
+
+PLAN_ARGS = [
+    "plan", "--model", "dlrm", "--resources", str(Path(__file__).parents[2] / "examples/placement/catalogue.yaml"),
+    "--data-args", '{"num_samples": 1024, "table_sizes": [100, 2000, 30], "batch_size": 128}', "--repeats", "2",
+]  # fmt: skip
+
+
+def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_for_the_strategy(tmp_path):
+    from lightning_dynamix.placement import PlacementPlan
+    from lightning_dynamix.strategies import LayerOffloadStrategy
+
+    output = dynamix(*PLAN_ARGS, "--throughput", "2000000", "--output", str(tmp_path / "plan.json"), cwd=tmp_path)
+    assert "embeddings.1" in output
+    for row in ("chosen", "all-cpu", "all-gpu"):
+        assert any(line.strip().startswith(row) for line in output.splitlines()), output
+    plan = PlacementPlan.load(tmp_path / "plan.json")
+    assert len(plan.layers) == len(plan.assignment) == len(plan.kinds)
+    assert plan.throughput >= 2_000_000
+    if plan.offloaded_layers():
+        assert LayerOffloadStrategy(offload=str(tmp_path / "plan.json")).offload == tuple(plan.offloaded_layers())
+
+
+def test_plan_says_the_best_reachable_throughput_when_the_target_is_out_of_reach(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dynamix.cli.main", *PLAN_ARGS, "--throughput", "1e12"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "no placement reaches 1e+12 samples/s with these resources; the best reachable is" in proc.stderr
