@@ -6,7 +6,7 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, demo, plan, policy, report
+from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, bench_placement, demo, plan, policy, report
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_offload.add_arguments(offload)
     offload.set_defaults(func=bench_offload.run)
+    placement = benchmarks.add_parser(
+        "placement", help="the RL and greedy placement solvers against the exact one, and the exact one's solve time"
+    )
+    bench_placement.add_arguments(placement)
+    placement.set_defaults(func=bench_placement.run)
     return parser
 
 

@@ -25,8 +25,9 @@ from lightning_dynamix.placement import (
     solve_dp,
     solve_greedy,
 )
+from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
 
-SOLVERS = {"dp": solve_dp, "greedy": solve_greedy}
+SOLVERS = ("dp", "greedy", "rl")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +37,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-args", type=json.loads, default={}, help="the data module's arguments, as JSON")
     parser.add_argument("--resources", type=Path, required=True, help="the catalogue of resource types (YAML)")
     parser.add_argument("--throughput", type=float, required=True, help="the target, samples/s")
-    parser.add_argument("--solver", choices=sorted(SOLVERS), default="dp", help="dp (exact, default) or greedy")
+    parser.add_argument(
+        "--solver", choices=SOLVERS, default="dp", help="dp (exact, default), greedy, or rl (HeterPS's scheduler)"
+    )
+    parser.add_argument(
+        "--scheduler", type=Path, default=None, help="the RL scheduler file for --solver rl (default: the shipped one)"
+    )
     parser.add_argument("--epochs", type=int, default=1, help="epochs the training cost is for (default 1)")
     parser.add_argument("--repeats", type=int, default=10, help="timed passes per layer when profiling (default 10)")
     parser.add_argument("--output", type=Path, default=None, help="write the plan here (.json or .yaml)")
@@ -74,8 +80,11 @@ def run(args: argparse.Namespace) -> None:
     samples = len(loader.dataset) * args.epochs  # per epoch x epochs
     cost = CostModel(profile, resources, args.throughput, training_samples=samples)
     try:
-        plan = SOLVERS[args.solver](cost)
-    except InfeasibleError as error:
+        if args.solver == "rl":
+            plan = solve_rl(cost, load_rl_scheduler(args.scheduler))
+        else:
+            plan = solve_dp(cost) if args.solver == "dp" else solve_greedy(cost)
+    except ValueError as error:  # InfeasibleError too
         raise SystemExit(f"dynamix plan: {error}") from None
     print(f"dynamix plan: {type(model).__name__}, {len(profile.layers)} layers profiled on {list(profile.devices)}")
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")

@@ -17,43 +17,10 @@ from lightning_dynamix.placement import (
     solve_dp,
     solve_greedy,
 )
+from lightning_dynamix.placement.random_chains import random_catalogue, random_chain
 from lightning_dynamix.placement.solvers import _relaxed_dp
 
 GIB = 2**30
-
-
-def chain(rng: random.Random, layers: int) -> ModelProfile:
-    profiles = []
-    for index in range(layers):
-        sparse = rng.random() < 0.3
-        profiles.append(
-            LayerProfile(
-                name=f"layer{index}",
-                kind="sparse" if sparse else "dense",
-                seconds={"cpu": rng.uniform(1e-5, 1e-3)},
-                parameter_bytes=int(rng.uniform(1, 40) * GIB) if sparse else int(rng.uniform(1e5, 1e8)),
-                activation_bytes=int(rng.uniform(64, 65536)),
-            )
-        )
-    return ModelProfile(tuple(profiles), batch_size=256, step_seconds={})
-
-
-def catalogue(rng: random.Random, types: int, scarce: bool = False) -> list[ResourceType]:
-    resources = []
-    for index in range(types):
-        gpu = index % 2 == 1
-        resources.append(
-            ResourceType(
-                name=f"type{index}",
-                device="gpu" if gpu else "cpu",
-                price_per_hour=rng.uniform(0.1, 3.0),
-                units=rng.randint(2, 6) if scarce else rng.randint(20, 200),
-                memory_bytes=int(rng.uniform(8, 256) * GIB),
-                link_bandwidth=rng.uniform(1e8, 5e9),
-                relative_speed={"dense": rng.uniform(0.5, 30), "sparse": rng.uniform(0.3, 3)},
-            )
-        )
-    return resources
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -61,7 +28,7 @@ def test_dynamic_programming_equals_brute_force_on_random_chains(seed):
     rng = random.Random(seed)
     layers, types = rng.randint(1, 7), rng.randint(1, 3)
     scarce = seed % 3 == 0  # units that run out: stages of one type compete for them
-    model = CostModel(chain(rng, layers), catalogue(rng, types, scarce), rng.uniform(50, 5000), 10**6)
+    model = CostModel(random_chain(rng, layers), random_catalogue(rng, types, scarce), rng.uniform(50, 5000), 10**6)
     try:
         expected = solve_brute_force(model)
     except InfeasibleError:
@@ -83,7 +50,7 @@ def test_scarce_units_make_the_relaxed_optimum_infeasible_and_dp_still_exact():
     hits = 0
     for seed in range(300):
         rng = random.Random(1000 + seed)
-        model = CostModel(chain(rng, 6), catalogue(rng, 2, scarce=True), rng.uniform(500, 5000), 10**6)
+        model = CostModel(random_chain(rng, 6), random_catalogue(rng, 2, scarce=True), rng.uniform(500, 5000), 10**6)
         if _relaxed_dp(model) is None:
             try:
                 expected = solve_brute_force(model)
@@ -97,7 +64,7 @@ def test_scarce_units_make_the_relaxed_optimum_infeasible_and_dp_still_exact():
 def test_greedy_is_never_cheaper_than_the_optimum():
     for seed in range(30):
         rng = random.Random(seed)
-        model = CostModel(chain(rng, 6), catalogue(rng, 3), rng.uniform(50, 2000), 10**6)
+        model = CostModel(random_chain(rng, 6), random_catalogue(rng, 3), rng.uniform(50, 2000), 10**6)
         try:
             greedy = solve_greedy(model)
         except InfeasibleError:
@@ -128,14 +95,14 @@ def test_a_table_larger_than_every_unit_is_sharded_over_enough_units():
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
     rng = random.Random(3)
-    plan = solve_dp(CostModel(chain(rng, 5), catalogue(rng, 2), 100.0, 10**6))
+    plan = solve_dp(CostModel(random_chain(rng, 5), random_catalogue(rng, 2), 100.0, 10**6))
     plan.save(tmp_path / f"plan{suffix}")
     assert PlacementPlan.load(tmp_path / f"plan{suffix}") == plan
 
 
 def test_bad_cost_model_arguments_are_refused():
     rng = random.Random(0)
-    profile, resources = chain(rng, 3), catalogue(rng, 2)
+    profile, resources = random_chain(rng, 3), random_catalogue(rng, 2)
     with pytest.raises(ValueError, match="`target_throughput` must be"):
         CostModel(profile, resources, 0)
     with pytest.raises(ValueError, match="`training_samples` must be an int >= 1"):

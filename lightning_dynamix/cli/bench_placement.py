@@ -1,0 +1,97 @@
+"""``dynamix bench placement``: the placement solvers against the exact optimum, and the exact solver's speed.
+
+* RL and greedy against exact: held-out random problems (seeds the scheduler never trained on),
+  the cost of each solver's plan over the optimum's;
+* the dynamic programme's solve time on long chains (100 layers x 4 types by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_dynamix.cli.bench import _config, _machine
+from lightning_dynamix.placement import InfeasibleError, solve_dp, solve_greedy
+from lightning_dynamix.placement.random_chains import random_problem
+from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
+
+HELD_OUT = 10_000_000  # training problems draw their seeds below 2**31 at random; these are fixed
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scheduler", type=Path, default=None, help="RL scheduler file (default: the shipped one)")
+    parser.add_argument("--problems", type=int, default=200, help="held-out problems (default 200)")
+    parser.add_argument("--max-layers", type=int, default=12, help="layers per problem, 2 to this (default 12)")
+    parser.add_argument("--types", type=int, default=4, help="resource types per problem (default 4)")
+    parser.add_argument("--samples", type=int, default=32, help="sampled placements per RL solve (default 32)")
+    parser.add_argument("--dp-layers", type=int, default=100, help="layers of the DP timing problems (default 100)")
+    parser.add_argument("--dp-problems", type=int, default=20, help="DP timing problems (default 20)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+def _gaps(args: argparse.Namespace) -> dict[str, Any]:
+    scheduler = load_rl_scheduler(args.scheduler)
+    rl, greedy, skipped = [], [], 0
+    for index in range(args.problems):
+        model = random_problem(HELD_OUT + index, (2, args.max_layers), args.types)
+        try:
+            best = solve_dp(model).cost_per_hour
+        except InfeasibleError:
+            skipped += 1  # no placement at all: nothing to compare
+            continue
+        for gaps, solve in ((rl, lambda m: solve_rl(m, scheduler, samples=args.samples)), (greedy, solve_greedy)):
+            try:
+                gaps.append(solve(model).cost_per_hour / best - 1)
+            except InfeasibleError:
+                gaps.append(math.inf)
+    return {
+        name: {
+            "problems": len(gaps),
+            "within_1_percent": sum(g <= 0.01 for g in gaps) / len(gaps),
+            "within_5_percent": sum(g <= 0.05 for g in gaps) / len(gaps),
+            "median_gap": statistics.median(gaps),
+            "mean_gap_feasible": statistics.mean([g for g in gaps if math.isfinite(g)] or [math.nan]),
+            "infeasible": sum(not math.isfinite(g) for g in gaps),
+        }
+        for name, gaps in (("rl", rl), ("greedy", greedy))
+    } | {"skipped_infeasible_problems": skipped, "scheduler_training": scheduler.training}
+
+
+def _dp_time(args: argparse.Namespace) -> dict[str, float]:
+    times, index = [], 0
+    while len(times) < args.dp_problems:
+        model = random_problem(HELD_OUT + index, args.dp_layers, args.types)
+        index += 1
+        start = time.perf_counter()
+        try:
+            solve_dp(model)
+        except InfeasibleError:
+            continue  # its error searches the best reachable throughput: not a solve time
+        times.append(time.perf_counter() - start)
+    return {"median_ms": 1e3 * statistics.median(times), "max_ms": 1e3 * max(times), "problems_drawn": index}
+
+
+def run(args: argparse.Namespace) -> None:
+    result = {"benchmark": "placement", "config": _config(args), "machine": _machine()}
+    result["against_exact"] = _gaps(args)
+    result["dp_solve_time"] = _dp_time(args)
+    print(f"dynamix bench placement: {args.problems} held-out problems, 2-{args.max_layers} layers, {args.types} types")
+    print(f"{'solver':>7}  {'within 1%':>9}  {'within 5%':>9}  {'median gap':>10}  {'infeasible':>10}")
+    for name in ("rl", "greedy"):
+        row = result["against_exact"][name]
+        print(
+            f"{name:>7}  {row['within_1_percent']:>9.1%}  {row['within_5_percent']:>9.1%}"
+            f"  {row['median_gap']:>10.2%}  {row['infeasible']:>10}"
+        )
+    timing = result["dp_solve_time"]
+    print(
+        f"exact DP, {args.dp_layers} layers x {args.types} types: median {timing['median_ms']:.1f} ms,"
+        f" max {timing['max_ms']:.1f} ms over {args.dp_problems} problems (goal < 100 ms)"
+    )
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2, default=str))

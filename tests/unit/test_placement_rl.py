@@ -1,0 +1,88 @@
+"""The RL placement scheduler: real stable-baselines3 PPO training on the cost model, judged by the exact optimum."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from lightning_dynamix.placement import InfeasibleError, solve_dp
+from lightning_dynamix.placement.cost import CostModel
+from lightning_dynamix.placement.random_chains import random_catalogue, random_chain, random_problem
+from lightning_dynamix.placement.rl import (
+    PlacementEnv,
+    RLScheduler,
+    _new_ppo,
+    load_rl_scheduler,
+    observation,
+    solve_rl,
+    train_rl_scheduler,
+)
+
+
+def small(rng: random.Random) -> CostModel:
+    return random_problem(rng.randrange(2**31), (2, 6), (2, 3))
+
+
+@pytest.fixture(scope="module")
+def trained():
+    torch.manual_seed(0)
+    return train_rl_scheduler(small, timesteps=60_000, n_envs=4, seed=0)
+
+
+def gaps(scheduler: RLScheduler, samples: int) -> list[float]:
+    found = []
+    for seed in range(50_000, 50_040):  # held out: training draws its seeds at random from 2**31
+        model = random_problem(seed, (2, 6), (2, 3))
+        try:
+            best = solve_dp(model).cost_per_hour
+        except InfeasibleError:
+            continue
+        try:
+            found.append(solve_rl(model, scheduler, samples=samples).cost_per_hour / best - 1)
+        except InfeasibleError:
+            found.append(math.inf)
+    return found
+
+
+def test_after_a_short_training_rl_is_within_five_percent_of_the_optimum(trained):
+    found = gaps(trained, samples=32)
+    assert statistics.median(found) <= 0.05
+    assert sum(g <= 0.05 for g in found) >= 0.8 * len(found)
+
+
+def test_training_is_what_makes_the_policys_own_choice_good(trained):
+    untrained = RLScheduler(_new_ppo(PlacementEnv([random_problem(0, 2, 2)]), seed=0).policy)
+    within = [sum(g <= 0.05 for g in gaps(s, samples=0)) for s in (trained, untrained)]
+    assert within[0] > within[1] + 5, within  # the most likely placement, no sampling
+
+
+def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_path):
+    path = trained.save(tmp_path / "scheduler.safetensors")
+    loaded = load_rl_scheduler(path)
+    model = random_problem(7, 6, 3)
+    obs = torch.as_tensor(observation(model, [])).unsqueeze(0)
+    with torch.no_grad():
+        for a, b in zip(trained.policy.state_dict().values(), loaded.policy.state_dict().values()):
+            assert torch.equal(a, b)
+        assert torch.equal(
+            trained.policy.get_distribution(obs).distribution.logits,
+            loaded.policy.get_distribution(obs).distribution.logits,
+        )
+    continued = train_rl_scheduler([model], timesteps=512, init=path, n_envs=1)
+    assert continued.training["init"]["timesteps"] == 60_000
+
+
+def test_bad_scheduler_files_and_too_many_types_are_refused(tmp_path):
+    (tmp_path / "x.safetensors").write_bytes(b"not a file")
+    with pytest.raises(Exception, match=r"x\.safetensors|header|deserializ"):
+        load_rl_scheduler(tmp_path / "x.safetensors")
+    with pytest.raises(ValueError, match="no scheduler file"):
+        load_rl_scheduler(tmp_path / "missing.safetensors")
+    rng = random.Random(0)
+    five = CostModel(random_chain(rng, 3), random_catalogue(rng, 5), 100.0)
+    with pytest.raises(ValueError, match="at most 4 resource types, got 5"):
+        solve_rl(five, RLScheduler(_new_ppo(PlacementEnv([random_problem(0, 2, 2)]), seed=0).policy))
