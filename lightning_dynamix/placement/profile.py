@@ -224,44 +224,52 @@ def _kept(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _time_layer(call: _Call, device: str, repeats: int, warmup: int) -> float:
     layer = copy.deepcopy(call.module).to(device)
     inputs = tuple(
         x.detach().to(device).requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in call.inputs
     )
     grad = torch.ones_like(call.output, device=device)
-    times = []
-    for index in range(warmup + repeats):
-        _sync(device)
-        start = time.perf_counter()
+
+    def one_pass() -> None:
         output = layer(*inputs)
         if output.requires_grad:
             output.backward(grad)
-        _sync(device)
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
         layer.zero_grad(set_to_none=True)
+
+    return _timed(one_pass, device, repeats, warmup)
+
+
+def _timed(one_pass: Callable[[], None], device: str, repeats: int, warmup: int) -> float:
+    """Seconds of one pass: the median of single passes on the CPU; on a GPU, the mean of ``repeats``
+    passes queued back to back (synchronising after every pass would time the launch latency of
+    small kernels, not their throughput)."""
+    for _ in range(warmup):
+        one_pass()
+    if device == "cuda":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            one_pass()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / repeats
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def _time_step(module: nn.Module, batch: Any, forward: Forward, device: str, repeats: int, warmup: int) -> float:
     model = copy.deepcopy(module).to(device)
     moved = _to(batch, device)
-    times = []
-    for index in range(warmup + repeats):
-        _sync(device)
-        start = time.perf_counter()
+
+    def one_pass() -> None:
         forward(model, moved).backward()
-        _sync(device)
-        if index >= warmup:
-            times.append(time.perf_counter() - start)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+
+    return _timed(one_pass, device, repeats, warmup)
 
 
 def _to(value: Any, device: str) -> Any:
