@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from lightning_dynamix.placement.cost import CostModel, PlacementPlan
 from lightning_dynamix.placement.random_chains import random_problem
-from lightning_dynamix.placement.solvers import _infeasible
+from lightning_dynamix.placement.solvers import cheapest_feasible
 
 MAX_TYPES = 4
 INFEASIBLE_PENALTY = 3.0
@@ -235,23 +235,25 @@ def solve_rl(model: CostModel, scheduler: RLScheduler, samples: int = 32, seed: 
     """The cheapest feasible placement among the policy's most likely one and ``samples`` sampled ones."""
     _check_types(model)
     generator = torch.Generator().manual_seed(seed)
-    best: PlacementPlan | None = None
-    for attempt in range(samples + 1):
-        assignment: list[int] = []
-        for _ in range(model.num_layers):
-            obs = torch.as_tensor(observation(model, assignment)).unsqueeze(0)
-            with torch.no_grad():
-                logits = scheduler.policy.get_distribution(obs).distribution.logits[0, : len(model.resources)]
-            if attempt == 0:
-                action = int(torch.argmax(logits))
-            else:
-                # hotter and hotter: the later samples explore further from the policy's own choice
-                temperature = 1.0 + (MAX_TEMPERATURE - 1.0) * attempt / samples
-                action = int(torch.multinomial(torch.softmax(logits / temperature, 0), 1, generator=generator))
-            assignment.append(action)
-        plan = model.plan(assignment, solver="rl")
-        if plan is not None and (best is None or plan.cost_per_hour < best.cost_per_hour):
-            best = plan
-    if best is None:
-        raise _infeasible(model)
-    return best
+    return cheapest_feasible(
+        model, (_decode(model, scheduler, a, samples, generator) for a in range(samples + 1)), "rl"
+    )
+
+
+def _decode(
+    model: CostModel, scheduler: RLScheduler, attempt: int, samples: int, generator: torch.Generator
+) -> list[int]:
+    """Attempt 0: the policy's most likely types; then samples at a rising temperature."""
+    assignment: list[int] = []
+    for _ in range(model.num_layers):
+        obs = torch.as_tensor(observation(model, assignment)).unsqueeze(0)
+        with torch.no_grad():
+            logits = scheduler.policy.get_distribution(obs).distribution.logits[0, : len(model.resources)]
+        if attempt == 0:
+            action = int(torch.argmax(logits))
+        else:
+            # hotter and hotter: the later samples explore further from the policy's own choice
+            temperature = 1.0 + (MAX_TEMPERATURE - 1.0) * attempt / samples
+            action = int(torch.multinomial(torch.softmax(logits / temperature, 0), 1, generator=generator))
+        assignment.append(action)
+    return assignment

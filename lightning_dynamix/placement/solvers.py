@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Sequence
 
 from lightning_dynamix.placement.cost import CostModel, InfeasibleError, PlacementPlan, Stage
 
@@ -41,9 +42,19 @@ def solve_brute_force(model: CostModel, max_assignments: int = 2_000_000) -> Pla
         raise ValueError(
             f"brute force would try {count} assignments (more than max_assignments={max_assignments}); use solve_dp"
         )
+    assignments = itertools.product(range(len(model.resources)), repeat=model.num_layers)
+    return cheapest_feasible(model, assignments, solver="brute-force")
+
+
+def cheapest_feasible(model: CostModel, assignments: Iterable[Sequence[int]], solver: str) -> PlacementPlan:
+    """The cheapest feasible plan among ``assignments`` (resource indices per layer).
+
+    Raises:
+        InfeasibleError: when none is feasible, with the best reachable throughput.
+    """
     best: PlacementPlan | None = None
-    for assignment in itertools.product(range(len(model.resources)), repeat=model.num_layers):
-        plan = model.plan(assignment, solver="brute-force")
+    for assignment in assignments:
+        plan = model.plan(assignment, solver=solver)
         if plan is not None and (best is None or plan.cost_per_hour < best.cost_per_hour):
             best = plan
     if best is None:
