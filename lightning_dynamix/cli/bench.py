@@ -271,6 +271,10 @@ def _hook_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> 
                 times[index].append(time.perf_counter() - start)
     if rank == 0:
         queue.put([statistics.median(t) for t in times])
+    # Drop the DDP models while the process group is still registered. Otherwise a reducer can
+    # hold the group's last reference, and its destructor joins gloo's worker threads with the
+    # GIL held while one of them needs the GIL to free its finished work: a hang at exit.
+    del models
     dist.barrier()
     dist.destroy_process_group()
 
