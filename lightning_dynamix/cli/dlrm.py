@@ -34,6 +34,24 @@ def _mlp(widths: Sequence[int], final_activation: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+class DotInteraction(nn.Module):
+    """DLRM's feature interaction: the dot product of every pair of vectors, after the first vector.
+
+    Takes ``vectors`` ``(batch, n, dim)`` (the bottom MLP's output first, then one row per table) and
+    returns ``(batch, dim + n * (n - 1) / 2)``: the first vector, then the ``n * (n - 1) / 2``
+    pairwise dot products. A module of its own, so that profiling times it as a layer.
+    """
+
+    def __init__(self, num_vectors: int) -> None:
+        super().__init__()
+        self.register_buffer("pairs", torch.tril_indices(num_vectors, num_vectors, offset=-1), persistent=False)
+
+    @override
+    def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return torch.cat([vectors[:, 0], dots], dim=1)
+
+
 class DLRM(LightningModule):
     """A DLRM click model: bottom MLP, one embedding table per categorical feature, pairwise dot products, top MLP.
 
@@ -101,18 +119,17 @@ class DLRM(LightningModule):
                 nn.init.uniform_(table.weight, -bound, bound)
             num_pairs = num_vectors * (num_vectors - 1) // 2
             self.top_mlp = _mlp([embedding_dim + num_pairs, *top_mlp, 1], final_activation=False)
-        self.register_buffer("pairs", torch.tril_indices(num_vectors, num_vectors, offset=-1), persistent=False)
+        self.interaction = DotInteraction(num_vectors)
         self.val_auc = BinaryAUROC()
         self.val_loss = MeanMetric()
 
     @override
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """Click logits ``(batch,)`` for dense features ``(batch, num_dense)`` and ids ``(batch, num_tables)``."""
-        bottom = self.bottom_mlp(dense)
+        # the lookups first: a chain of tables, then dense layers, which a placement can cut in two
         rows = [table(sparse[:, index]) for index, table in enumerate(self.embeddings)]
-        vectors = torch.stack([bottom, *rows], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
-        return self.top_mlp(torch.cat([bottom, dots], dim=1)).squeeze(1)
+        bottom = self.bottom_mlp(dense)
+        return self.top_mlp(self.interaction(torch.stack([bottom, *rows], dim=1))).squeeze(1)
 
     @override
     def training_step(self, batch: CTRSample, batch_idx: int) -> torch.Tensor:

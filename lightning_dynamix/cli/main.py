@@ -6,7 +6,17 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import bench, bench_heterogeneity, bench_offload, bench_placement, demo, plan, policy, report
+from lightning_dynamix.cli import (
+    bench,
+    bench_heterogeneity,
+    bench_offload,
+    bench_placement,
+    bench_plan,
+    demo,
+    plan,
+    policy,
+    report,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_placement.add_arguments(placement)
     placement.set_defaults(func=bench_placement.run)
+    plan_bench = benchmarks.add_parser(
+        "plan", help="a placement plan's predicted throughput against the plan run with LayerOffloadStrategy"
+    )
+    bench_plan.add_arguments(plan_bench)
+    plan_bench.set_defaults(func=bench_plan.run)
     return parser
 
 

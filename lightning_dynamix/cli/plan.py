@@ -122,4 +122,7 @@ def _alternatives(cost: CostModel, plan: PlacementPlan, epochs: int) -> list[tup
 
 
 def _describe(plan: PlacementPlan, epochs: int) -> str:
-    return f"{plan.cost_per_hour:>10.3f}  {plan.training_cost / epochs:>11.4g}  {plan.throughput:.4g} samples/s"
+    return (
+        f"{plan.cost_per_hour:>10.3f}  {plan.training_cost / epochs:>11.4g}  {plan.throughput:.4g} samples/s"
+        f" ({plan.sequential_throughput:.4g} with the stages run one after another)"
+    )

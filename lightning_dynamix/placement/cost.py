@@ -73,7 +73,8 @@ class PlacementPlan:
         kinds: per layer, ``"sparse"`` or ``"dense"``.
         assignment: per layer, its resource type's name.
         stages: the pipeline's stages.
-        throughput: predicted samples/s (the slowest stage's).
+        throughput: predicted samples/s of the stages run as a pipeline (the slowest stage's);
+            :attr:`sequential_throughput` is the prediction for stages run one after another.
         target_throughput: the samples/s the plan was made for.
         cost_per_hour: all units' price per hour.
         training_cost: the cost of ``training_samples`` samples at the target throughput.
@@ -91,6 +92,18 @@ class PlacementPlan:
     training_cost: float
     training_samples: int
     solver: str = ""
+
+    @property
+    def sequential_throughput(self) -> float:
+        """Samples/s when the stages run one after another rather than as a pipeline.
+
+        That is how :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` runs a plan: a step
+        looks up the embedding servers' rows, runs the dense layers, then pushes the gradients back.
+        The seconds per sample are the sum over the stages of each stage's seconds over its units, and
+        the throughput is the inverse of that sum. It is never above :attr:`throughput`.
+        """
+        seconds = sum(stage.seconds_per_sample / stage.units for stage in self.stages)
+        return 1 / seconds if seconds > 0 else math.inf
 
     def offloaded_layers(self) -> list[str]:
         """The sparse layers (embedding tables) the plan puts on CPU resource types: the embedding servers'."""

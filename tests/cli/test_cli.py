@@ -149,6 +149,26 @@ def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_a
         assert all(p["peak_mib"] > 0 for p in memory["probes"])
 
 
+def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throughput_beside_the_predictions(
+    tmp_path,
+):
+    out = tmp_path / "plan.json"
+    dynamix(
+        "bench", "plan", "--servers", "2", "--rounds", "1", "--steps", "3", "--warmup", "1", "--batch-size", "64",
+        "--repeats", "2", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    row = result["plans"]["2"]
+    plan = row["plan"]
+    # the tables on the 2 servers the catalogue makes the plan rent, the dense layers on the trainer
+    tables = [layer for layer, kind in zip(plan["layers"], plan["kinds"]) if kind == "sparse"]
+    assert len(tables) == 26
+    assert [(s["resource"], s["units"]) for s in plan["stages"]] == [("embedding-server", 2), ("trainer", 1)]
+    assert row["predicted_sequential_samples_per_s"] <= row["predicted_pipelined_samples_per_s"]
+    assert row["measured_samples_per_s"] > 0
+    assert row["requests_per_step"] == 26 * 2 + 2
+
+
 PLAN_ARGS = [
     "plan", "--model", "dlrm", "--resources", str(Path(__file__).parents[2] / "examples/placement/catalogue.yaml"),
     "--data-args", '{"num_samples": 1024, "table_sizes": [100, 2000, 30], "batch_size": 128}', "--repeats", "2",

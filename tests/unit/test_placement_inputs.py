@@ -24,8 +24,9 @@ def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(
     profile = profile_model(model, dlrm_batch(), repeats=2, warmup=0)
     names = [layer.name for layer in profile.layers]
     assert names == [
-        "bottom_mlp.0", "bottom_mlp.1", "bottom_mlp.2", "bottom_mlp.3",
         "embeddings.0", "embeddings.1", "embeddings.2",
+        "bottom_mlp.0", "bottom_mlp.1", "bottom_mlp.2", "bottom_mlp.3",
+        "interaction",
         "top_mlp.0", "top_mlp.1", "top_mlp.2",
     ]  # fmt: skip
     layers = {layer.name: layer for layer in profile.layers}
@@ -35,6 +36,8 @@ def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(
     assert layers["bottom_mlp.0"].parameter_bytes == (13 * 32 + 32) * 4
     assert layers["bottom_mlp.0"].activation_bytes == 32 * 4  # one sample's output
     assert layers["bottom_mlp.1"].parameter_bytes == 0  # a ReLU
+    # the interaction's output: the bottom vector and the dot products of the 4 vectors' 6 pairs
+    assert layers["interaction"].activation_bytes == (16 + 6) * 4
     assert all(layer.seconds["cpu"] > 0 for layer in profile.layers)
     assert profile.batch_size == 64
     assert profile.step_seconds["cpu"] > 0

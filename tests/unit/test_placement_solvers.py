@@ -92,6 +92,18 @@ def test_a_table_larger_than_every_unit_is_sharded_over_enough_units():
     assert plan.stages[0].units == 4  # 3 copies of 10 GiB over 8 GiB units
 
 
+def test_a_pipeline_runs_at_its_slowest_stage_and_stage_after_stage_at_the_sum_of_their_times():
+    table = LayerProfile("table", "sparse", {"cpu": 0.002}, GIB, 0)  # no activation: no transfer time
+    dense = LayerProfile("dense", "dense", {"cpu": 0.006}, 1000, 4)
+    server = ResourceType("server", "cpu", 1.0, 4, 16 * GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
+    trainer = ResourceType("trainer", "cpu", 2.0, 4, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
+    plan = CostModel(ModelProfile((table, dense), 1, {}), [server, trainer], 300.0).plan([0, 1])
+    assert [(s.resource, s.units) for s in plan.stages] == [("server", 1), ("trainer", 2)]
+    assert plan.throughput == pytest.approx(2 / 0.006)  # 333: the trainers' stage is the slower (the server's: 500)
+    assert plan.sequential_throughput == pytest.approx(1 / (0.002 / 1 + 0.006 / 2))  # 200: a lookup, then the rest
+    assert plan.sequential_throughput < plan.throughput
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_a_plan_round_trips_through_a_file(tmp_path, suffix):
     rng = random.Random(3)

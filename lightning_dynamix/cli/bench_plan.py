@@ -1,0 +1,181 @@
+"""``dynamix bench plan``: a placement plan's predicted throughput against the plan run with LayerOffloadStrategy.
+
+The DLRM example is profiled on this machine. For each number of embedding servers, a catalogue
+describes this machine as two resource types: ``trainer`` (one unit, memory for the dense layers
+only) and ``embedding-server`` (memory for a share of the tables, so the plan rents that many
+servers), both with the loopback bandwidth measured here. The plan puts the tables on the servers
+and the dense layers on the trainer, which is the placement LayerOffloadStrategy runs. It is priced
+by the cost model and then trained with ``LayerOffloadStrategy(offload=plan)`` at the batch size it
+was profiled with. The predictions are set against the measured samples/s:
+
+* ``pipelined``: the plan's throughput, its slowest stage's (HeterPS's model: stages overlap);
+* ``stage after stage``: ``plan.sequential_throughput``, the stages' times added up, which is how
+  the strategy runs a step at staleness 0.
+
+Work the cost model leaves out shows as the difference: the requests to the servers (one lookup per
+table and server, one push per server, per step), the servers' row updates, the optimizer step, and
+the work no layer accounts for (``torch.stack``, the loss).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Trainer
+
+from lightning_dynamix.cli.bench import _config, _machine
+from lightning_dynamix.cli.dlrm import DLRM
+from lightning_dynamix.cli.timing import StepTimer
+from lightning_dynamix.data import CTRDataModule
+from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model
+from lightning_dynamix.strategies import LayerOffloadStrategy
+
+GIB = 2**30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-size", type=int, default=512, help="samples per step (default 512)")
+    parser.add_argument("--servers", default="1,2", help="numbers of embedding servers to plan for (default 1,2)")
+    parser.add_argument("--rounds", type=int, default=2, help="training runs per plan (default 2)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
+    parser.add_argument("--repeats", type=int, default=20, help="timed passes per layer when profiling (default 20)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> float:
+    """Bytes/s through a local TCP connection (what the servers' requests travel on here)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        received = 0
+
+        def receive() -> None:
+            nonlocal received
+            connection, _ = server.accept()
+            with connection:
+                while received < total_bytes:
+                    data = connection.recv(chunk)
+                    if not data:
+                        break
+                    received += len(data)
+
+        reader = threading.Thread(target=receive)
+        reader.start()
+        payload = bytes(chunk)
+        with socket.create_connection(("127.0.0.1", port)) as sender:
+            start = time.perf_counter()
+            for _ in range(total_bytes // chunk):
+                sender.sendall(payload)
+            reader.join()
+            return received / (time.perf_counter() - start)
+
+
+def _resources(profile: Any, servers: int, bandwidth: float) -> list[ResourceType]:
+    copies = 3  # the cost model's parameter_copies
+    dense = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "dense")
+    sparse = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "sparse")
+    speed = {"dense": 1.0, "sparse": 1.0}  # both are this machine's cores
+    return [
+        # memory for a 1/(servers - 0.5) share of the tables: the plan needs exactly `servers` of them
+        ResourceType("embedding-server", "cpu", 1.0, servers, math.ceil(copies * sparse / (servers - 0.5)), bandwidth,
+                     speed),
+        ResourceType("trainer", "cpu", 1.0, 1, 2 * copies * dense, bandwidth, speed),
+    ]  # fmt: skip
+
+
+def _measure(plan: PlacementPlan, args: argparse.Namespace, seed: int) -> float:
+    samples = args.batch_size * (args.steps + args.warmup + 1)
+    data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
+    model = DLRM(table_sizes=data.spec.table_sizes, seed=seed, meta_embeddings=True)
+    timer = StepTimer(warmup=args.warmup)
+    Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=LayerOffloadStrategy(offload=plan, return_embeddings=False),
+        max_steps=args.steps + args.warmup + 1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    ).fit(model, datamodule=data)
+    return timer.timings[0].median_step_seconds
+
+
+def run(args: argparse.Namespace) -> None:
+    counts = [int(n) for n in args.servers.split(",")]
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"dynamix bench plan: `--servers` must list ints >= 1, got {args.servers!r}")
+    data = CTRDataModule(batch_size=args.batch_size)
+    data.setup("fit")
+    model = DLRM(table_sizes=data.spec.table_sizes)
+    profile = profile_model(model, next(iter(data.train_dataloader())), devices=["cpu"], repeats=args.repeats)
+    bandwidth = loopback_bandwidth()
+    tables = [index for index, layer in enumerate(profile.layers) if layer.kind == "sparse"]
+    sparse_ms = sum(profile.layers[i].seconds["cpu"] for i in tables) * args.batch_size * 1e3
+    dense_ms = sum(layer.seconds["cpu"] for layer in profile.layers if layer.kind == "dense") * args.batch_size * 1e3
+    result: dict[str, Any] = {
+        "benchmark": "plan",
+        "config": _config(args),
+        "machine": _machine(),
+        "loopback_bytes_per_s": bandwidth,
+        "profile": {
+            "tables_ms_per_batch": sparse_ms,
+            "dense_layers_ms_per_batch": dense_ms,
+            "unattributed_ms_per_batch": profile.unattributed_seconds("cpu") * args.batch_size * 1e3,
+            "whole_pass_ms_per_batch": profile.step_seconds["cpu"] * args.batch_size * 1e3,
+        },
+        "plans": {},
+    }
+    for servers in counts:
+        resources = _resources(profile, servers, bandwidth)
+        cost = CostModel(profile, resources, target_throughput=1.0)
+        plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
+        if plan is None or plan.embedding_servers() != servers:
+            raise SystemExit(f"dynamix bench plan: the plan for {servers} servers came out as {plan}")
+        steps = []
+        for round_index in range(args.rounds):
+            steps.append(_measure(plan, args, round_index))
+            print(f"{servers} server(s), round {round_index}: {1e3 * steps[-1]:.2f} ms/step", flush=True)
+        measured = args.batch_size / statistics.median(steps)
+        result["plans"][str(servers)] = {
+            "plan": plan.to_dict(),
+            "predicted_pipelined_samples_per_s": plan.throughput,
+            "predicted_sequential_samples_per_s": plan.sequential_throughput,
+            "measured_samples_per_s": measured,
+            "measured_over_sequential": measured / plan.sequential_throughput,
+            "measured_step_ms_per_round": [1e3 * s for s in steps],
+            "unmodelled_ms_per_step": 1e3 * (args.batch_size / measured - args.batch_size / plan.sequential_throughput),
+            "requests_per_step": len(tables) * servers + servers,
+        }
+        row = result["plans"][str(servers)]
+        row["unmodelled_ms_per_request"] = row["unmodelled_ms_per_step"] / row["requests_per_step"]
+    print(
+        f"\ndynamix bench plan: DLRM, {len(tables)} tables, batch {args.batch_size}, 1 trainer (CPU);"
+        f" profile per batch: tables {sparse_ms:.2f} ms, dense layers {dense_ms:.2f} ms,"
+        f" unattributed {result['profile']['unattributed_ms_per_batch']:.2f} ms;"
+        f" loopback {bandwidth / 1e9:.2f} GB/s"
+    )
+    print(
+        f"{'servers':>7}  {'pipelined':>10}  {'sequential':>10}  {'measured':>10}  {'meas/seq':>8}"
+        f"  {'unmodelled ms/step':>18}  {'requests/step':>13}"
+    )
+    for servers, row in result["plans"].items():
+        print(
+            f"{servers:>7}  {row['predicted_pipelined_samples_per_s']:>10.0f}"
+            f"  {row['predicted_sequential_samples_per_s']:>10.0f}  {row['measured_samples_per_s']:>10.0f}"
+            f"  {row['measured_over_sequential']:>8.3f}  {row['unmodelled_ms_per_step']:>18.2f}"
+            f"  {row['requests_per_step']:>13}"
+        )
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2))
