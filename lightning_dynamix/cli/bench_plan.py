@@ -6,7 +6,9 @@ only) and ``embedding-server`` (memory for a share of the tables, so the plan re
 servers), both with the loopback bandwidth measured here. The plan puts the tables on the servers
 and the dense layers on the trainer, which is the placement LayerOffloadStrategy runs. It is priced
 by the cost model and then trained with ``LayerOffloadStrategy(offload=plan)`` at the batch size it
-was profiled with. The predictions are set against the measured samples/s:
+was profiled with. With ``--accelerator gpu`` the trainer is a ``gpu`` type, profiled and trained on
+this machine's GPU, and the servers stay on its CPU. The predictions are set against the measured
+samples/s:
 
 * ``pipelined``: the plan's throughput, its slowest stage's (HeterPS's model: stages overlap);
 * ``stage after stage``: ``plan.sequential_throughput``, the stages' times added up, which is how
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
     parser.add_argument("--repeats", type=int, default=20, help="timed passes per layer when profiling (default 20)")
+    parser.add_argument(
+        "--accelerator", choices=("cpu", "gpu"), default="cpu", help="the trainer's device (default cpu)"
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -78,16 +83,16 @@ def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> flo
             return received / (time.perf_counter() - start)
 
 
-def _resources(profile: Any, servers: int, bandwidth: float) -> list[ResourceType]:
+def _resources(profile: Any, servers: int, bandwidth: float, trainer_device: str) -> list[ResourceType]:
     copies = 3  # the cost model's parameter_copies
     dense = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "dense")
     sparse = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "sparse")
-    speed = {"dense": 1.0, "sparse": 1.0}  # both are this machine's cores
+    speed = {"dense": 1.0, "sparse": 1.0}  # this machine's CPU cores, and its GPU for a gpu trainer
     return [
         # memory for a 1/(servers - 0.5) share of the tables: the plan needs exactly `servers` of them
         ResourceType("embedding-server", "cpu", 1.0, servers, math.ceil(copies * sparse / (servers - 0.5)), bandwidth,
                      speed),
-        ResourceType("trainer", "cpu", 1.0, 1, 2 * copies * dense, bandwidth, speed),
+        ResourceType("trainer", trainer_device, 1.0, 1, 2 * copies * dense, bandwidth, speed),
     ]  # fmt: skip
 
 
@@ -97,7 +102,7 @@ def _measure(plan: PlacementPlan, args: argparse.Namespace, seed: int) -> float:
     model = DLRM(table_sizes=data.spec.table_sizes, seed=seed, meta_embeddings=True)
     timer = StepTimer(warmup=args.warmup)
     Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=1,
         strategy=LayerOffloadStrategy(offload=plan, return_embeddings=False),
         max_steps=args.steps + args.warmup + 1,
@@ -119,11 +124,14 @@ def run(args: argparse.Namespace) -> None:
     data = CTRDataModule(batch_size=args.batch_size)
     data.setup("fit")
     model = DLRM(table_sizes=data.spec.table_sizes)
-    profile = profile_model(model, next(iter(data.train_dataloader())), devices=["cpu"], repeats=args.repeats)
+    devices = ["cpu"] if args.accelerator == "cpu" else ["cpu", "cuda"]
+    profile = profile_model(model, next(iter(data.train_dataloader())), devices=devices, repeats=args.repeats)
+    trainer_profile = "cpu" if args.accelerator == "cpu" else "cuda"
     bandwidth = loopback_bandwidth()
     tables = [index for index, layer in enumerate(profile.layers) if layer.kind == "sparse"]
     sparse_ms = sum(profile.layers[i].seconds["cpu"] for i in tables) * args.batch_size * 1e3
-    dense_ms = sum(layer.seconds["cpu"] for layer in profile.layers if layer.kind == "dense") * args.batch_size * 1e3
+    dense_ms = sum(layer.seconds[trainer_profile] for layer in profile.layers if layer.kind == "dense")
+    dense_ms *= args.batch_size * 1e3
     result: dict[str, Any] = {
         "benchmark": "plan",
         "config": _config(args),
@@ -132,13 +140,13 @@ def run(args: argparse.Namespace) -> None:
         "profile": {
             "tables_ms_per_batch": sparse_ms,
             "dense_layers_ms_per_batch": dense_ms,
-            "unattributed_ms_per_batch": profile.unattributed_seconds("cpu") * args.batch_size * 1e3,
-            "whole_pass_ms_per_batch": profile.step_seconds["cpu"] * args.batch_size * 1e3,
+            "unattributed_ms_per_batch": profile.unattributed_seconds(trainer_profile) * args.batch_size * 1e3,
+            "whole_pass_ms_per_batch": profile.step_seconds[trainer_profile] * args.batch_size * 1e3,
         },
         "plans": {},
     }
     for servers in counts:
-        resources = _resources(profile, servers, bandwidth)
+        resources = _resources(profile, servers, bandwidth, "cpu" if args.accelerator == "cpu" else "gpu")
         cost = CostModel(profile, resources, target_throughput=1.0)
         plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
         if plan is None or plan.embedding_servers() != servers:
@@ -161,7 +169,8 @@ def run(args: argparse.Namespace) -> None:
         row = result["plans"][str(servers)]
         row["unmodelled_ms_per_request"] = row["unmodelled_ms_per_step"] / row["requests_per_step"]
     print(
-        f"\ndynamix bench plan: DLRM, {len(tables)} tables, batch {args.batch_size}, 1 trainer (CPU);"
+        f"\ndynamix bench plan: DLRM, {len(tables)} tables, batch {args.batch_size},"
+        f" 1 trainer ({args.accelerator.upper()}), servers on the CPU;"
         f" profile per batch: tables {sparse_ms:.2f} ms, dense layers {dense_ms:.2f} ms,"
         f" unattributed {result['profile']['unattributed_ms_per_batch']:.2f} ms;"
         f" loopback {bandwidth / 1e9:.2f} GB/s"
