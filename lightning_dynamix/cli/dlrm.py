@@ -131,6 +131,11 @@ class DLRM(LightningModule):
         bottom = self.bottom_mlp(dense)
         return self.top_mlp(self.interaction(torch.stack([bottom, *rows], dim=1))).squeeze(1)
 
+    def embedding_ids(self, batch: CTRSample) -> dict[str, torch.Tensor]:
+        """The ids each table's forward receives: LayerOffloadStrategy looks them all up in one request per server."""
+        _, sparse, _ = batch
+        return {f"embeddings.{index}": sparse[:, index] for index in range(len(self.embeddings))}
+
     @override
     def training_step(self, batch: CTRSample, batch_idx: int) -> torch.Tensor:
         dense, sparse, labels = batch

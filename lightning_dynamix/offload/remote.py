@@ -59,6 +59,9 @@ class EmbeddingClient:
         self.step = 0  # the training step lookups are for; advanced by every push
         self._recorded: list[_Lookup] = []
         self._pushes: list[tuple[int, torch.futures.Future]] = []
+        self._prefetched: dict[str, tuple[Tensor, Tensor, Route, int | None]] = {}  # table -> ids, rows, route, step
+        self.lookup_requests = 0  # lookup requests sent to the servers, one per server per lookup or prefetch
+        self.prefetch_misses = 0  # lookups whose ids differed from the ids prefetched for their table
         self.closed = False
 
     def close(self) -> None:
@@ -127,26 +130,67 @@ class EmbeddingClient:
 
     # the step protocol -------------------------------------------------------------------------------
 
+    def prefetch(self, lookups: dict[str, tuple[RowSharding, int, Tensor]], training: bool) -> None:
+        """Look up several tables' ids at once: one request per server instead of one per table and server.
+
+        ``lookups`` maps a table to its sharding, row length and the ids the model will pass it. The
+        rows are kept until the table's own lookup (:meth:`fetch`) asks for the same ids, which then
+        sends nothing; a lookup with other ids is sent as usual, so a wrong prefetch costs time only.
+        """
+        self._prefetched.clear()
+        step = self.step if training else None
+        routes = {table: route(ids.detach().cpu(), sharding, table) for table, (sharding, _, ids) in lookups.items()}
+        futures = {}
+        for server in range(self.num_servers):
+            request = {table: plan.shard_rows[server] for table, plan in routes.items() if len(plan.shard_rows[server])}
+            if request:
+                futures[server] = self._call(server, remote.remote_lookup_many, step, request)
+                self.lookup_requests += 1
+        answers = {server: self._wait(server, remote.remote_lookup_many, future) for server, future in futures.items()}
+        for table, plan in routes.items():
+            _, dim, ids = lookups[table]
+            values = [
+                answers[server][table] if len(plan.shard_rows[server]) else torch.empty((0, dim), dtype=torch.float32)
+                for server in range(self.num_servers)
+            ]
+            self._prefetched[table] = (ids, plan.assemble(values).to(ids.device), plan, step)
+
+    def _take_prefetched(self, table: str, ids: Tensor, step: int | None) -> tuple[Tensor, Route] | None:
+        if table not in self._prefetched:
+            return None
+        expected, rows, plan, for_step = self._prefetched.pop(table)
+        same = expected.shape == ids.shape and expected.device == ids.device and torch.equal(expected, ids)
+        if not same or for_step != step:
+            self.prefetch_misses += 1
+            return None
+        return rows, plan
+
     def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
         """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.
 
         In training the rows are those step :attr:`step` must see, and, where autograd is on, a
-        leaf whose gradient :meth:`push` sends; otherwise the servers' current rows.
+        leaf whose gradient :meth:`push` sends; otherwise the servers' current rows. Rows
+        :meth:`prefetch` brought for these ids are used without a request.
         """
-        plan = route(ids.detach().cpu(), sharding, table)
         step = self.step if training else None
-        futures = {
-            server: self._call(server, remote.remote_lookup, table, step, rows)
-            for server, rows in enumerate(plan.shard_rows)
-            if len(rows)
-        }
-        values = [
-            self._wait(server, remote.remote_lookup, futures[server])
-            if server in futures
-            else torch.empty((0, dim), dtype=torch.float32)
-            for server in range(self.num_servers)
-        ]
-        rows = plan.assemble(values).to(ids.device)
+        prefetched = self._take_prefetched(table, ids, step)
+        if prefetched is not None:
+            rows, plan = prefetched
+        else:
+            plan = route(ids.detach().cpu(), sharding, table)
+            futures = {
+                server: self._call(server, remote.remote_lookup, table, step, rows)
+                for server, rows in enumerate(plan.shard_rows)
+                if len(rows)
+            }
+            self.lookup_requests += len(futures)
+            values = [
+                self._wait(server, remote.remote_lookup, futures[server])
+                if server in futures
+                else torch.empty((0, dim), dtype=torch.float32)
+                for server in range(self.num_servers)
+            ]
+            rows = plan.assemble(values).to(ids.device)
         if training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._recorded.append(_Lookup(table, plan, rows))
@@ -155,6 +199,7 @@ class EmbeddingClient:
     def push(self) -> bool:
         """Send this step's row gradients to the servers (without waiting); False when there were none."""
         self._check_pushes()
+        self._prefetched.clear()  # rows prefetched for this step and never looked up
         if not self._recorded:
             return False
         per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]
@@ -183,6 +228,7 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Return once every server has applied every update up to the last step pushed by any trainer."""
         self._recorded.clear()  # rows looked up but never trained (a step that was skipped)
+        self._prefetched.clear()
         self._check_pushes(wait=True)
         self._all(remote.remote_flush, self.step - 1)
 

@@ -123,6 +123,16 @@ class EmbeddingServer:
                 self._lookups.append((step, future, table, rows))
         return future
 
+    def lookup_many(self, step: int | None, requests: dict[str, torch.Tensor]) -> Future:
+        """:meth:`lookup` of several tables' local rows at once: one answer, ``{table: values}``."""
+        names = list(requests)
+        futures = [self.lookup(name, step, requests[name]) for name in names]
+
+        def values(done: Future) -> dict[str, torch.Tensor]:
+            return {name: future.value() for name, future in zip(names, done.value())}
+
+        return torch.futures.collect_all(futures).then(values)
+
     def push(self, trainer: int, step: int, grads: Push) -> None:
         """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order)."""
         with self._lock:
@@ -295,6 +305,11 @@ def remote_create_table(spec: TableSpec, weight: torch.Tensor | None) -> None:
 @torch.distributed.rpc.functions.async_execution
 def remote_lookup(table: str, step: int | None, rows: torch.Tensor) -> Future:
     return _server().lookup(table, step, rows)
+
+
+@torch.distributed.rpc.functions.async_execution
+def remote_lookup_many(step: int | None, requests: dict[str, torch.Tensor]) -> Future:
+    return _server().lookup_many(step, requests)
 
 
 def remote_push(trainer: int, step: int, grads: Push) -> None:

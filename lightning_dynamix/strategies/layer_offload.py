@@ -17,6 +17,11 @@ Checkpoints: every server writes its shards, with their optimiser state, beside 
 file (``<checkpoint>.embeddings/``); the checkpoint records them, and resuming restores them, into
 any number of servers. At the end of ``fit`` the trained tables are copied back into the
 LightningModule's own embedding modules (``return_embeddings=True``), so the model is whole again.
+
+Lookups: each table's forward sends one request per server. A LightningModule that defines
+``embedding_ids(batch) -> {table name: ids}`` lets the strategy look every table up before the step
+in one request per server (:meth:`EmbeddingClient.prefetch`); the tables' forwards then use those
+rows. Ids that differ from what a table's forward receives cost a request, never a wrong row.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +51,7 @@ from typing_extensions import override
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
-from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, remote_module
+from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, _RemoteTable, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 from lightning_dynamix.placement import PlacementPlan
@@ -132,6 +138,8 @@ class LayerOffloadStrategy(DDPStrategy):
         self._client: EmbeddingClient | None = None
         self._servers: list[subprocess.Popen] = []
         self._offloaded: dict[str, nn.Module] = {}  # the LightningModule's own embedding modules, set aside
+        self._remote: dict[str, _RemoteTable] = {}  # their stand-ins, by name
+        self._misses_warned = False
         self._failed = False
         self._checkpoint_path: Path | None = None
 
@@ -151,9 +159,11 @@ class LayerOffloadStrategy(DDPStrategy):
         self._failed = False
         self._start_rpc()
         self._client = EmbeddingClient(self.global_rank, self.num_embedding_servers, self._timeout.total_seconds())
-        for name, embedding in targets.items():
-            _set_submodule(module, name, remote_module(self._client, name, embedding))
+        self._remote = {name: remote_module(self._client, name, embedding) for name, embedding in targets.items()}
+        for name, stand_in in self._remote.items():
+            _set_submodule(module, name, stand_in)
         self._offloaded = targets
+        self._misses_warned = False
         super().setup(trainer)  # DDP over the dense rest; the optimizers are configured from it
         optimizer = self._sparse_optimizer(trainer.state.fn)
         if self.is_global_zero:
@@ -272,7 +282,65 @@ class LayerOffloadStrategy(DDPStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._client is not None
         self._client.push()
+        if self._client.prefetch_misses and not self._misses_warned:
+            self._misses_warned = True
+            warnings.warn(
+                f"{type(self.lightning_module).__name__}.embedding_ids(batch) gave a table other ids than its"
+                f" forward looked up ({self._client.prefetch_misses} so far): those tables were looked up again,"
+                " one request per table and server. Return exactly the ids each table's forward receives.",
+                stacklevel=2,
+            )
         return output
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._prefetch(args, kwargs)
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._prefetch(args, kwargs)
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._prefetch(args, kwargs)
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._prefetch(args, kwargs)
+        return super().predict_step(*args, **kwargs)
+
+    def _prefetch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Look up every table the module's ``embedding_ids(batch)`` names, one request per server."""
+        module = self.lightning_module
+        hook = getattr(module, "embedding_ids", None)
+        if hook is None or self._client is None:
+            return
+        batch = args[0] if args else kwargs.get("batch")
+        ids = hook(batch)
+        if not isinstance(ids, Mapping):
+            raise TypeError(
+                f"{type(module).__name__}.embedding_ids(batch) must return a mapping of offloaded table names"
+                f" to id tensors, got {type(ids).__name__}"
+            )
+        lookups = {}
+        for name, value in ids.items():
+            table = self._remote.get(name)
+            if table is None:
+                raise ValueError(
+                    f"{type(module).__name__}.embedding_ids(batch) names {name!r}, which is not an offloaded"
+                    f" table; the offloaded tables are {sorted(self._remote)}"
+                )
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{type(module).__name__}.embedding_ids(batch)[{name!r}] must be a tensor of ids,"
+                    f" got {type(value).__name__}"
+                )
+            lookups[name] = (table.sharding, table.embedding_dim, value)
+        if lookups:
+            self._client.prefetch(lookups, training=next(iter(self._remote.values())).training)
 
     @override
     def on_validation_start(self) -> None:
@@ -391,7 +459,7 @@ class LayerOffloadStrategy(DDPStrategy):
             if module is not None and whole:
                 for name, embedding in self._offloaded.items():
                     _set_submodule(module, name, embedding)
-            self._offloaded = {}
+            self._offloaded, self._remote = {}, {}
             # Not rpc's graceful shutdown: its barrier counts shutdowns per process, so a trainer's
             # second fit would never meet the new servers there. `finish` above is the agreement
             # that nothing is in flight (the servers wait for every trainer's).

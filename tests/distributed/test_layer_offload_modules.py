@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -82,6 +82,57 @@ def test_bags_padding_and_weights_train_as_in_one_process():
     for (name, value), other in zip(served.state_dict().items(), expected.state_dict().values()):
         torch.testing.assert_close(value, other, atol=1e-5, rtol=0, msg=name)
     assert served.tokens.weight[0].abs().sum() == 0  # the padding row never trained
+
+
+class PrefetchingBagModel(BagModel):
+    """BagModel telling the strategy its tables' ids up front (``shift`` moves the bag's ids: a wrong answer)."""
+
+    def __init__(self, shift: int = 0, extra: str | None = None) -> None:
+        super().__init__()
+        self.shift, self.extra = shift, extra
+
+    def embedding_ids(self, batch):
+        ids, _ = batch
+        found = {"tokens": ids, "bag": (ids + self.shift) % ROWS, "weighted": ids.reshape(-1)}
+        return found if self.extra is None else {**found, self.extra: ids}
+
+
+class LookupRequests(Callback):
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.counts.append(trainer.strategy.client.lookup_requests)
+
+
+def assert_trained_alike(served: LightningModule, expected: LightningModule) -> None:
+    for (name, value), other in zip(served.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(value, other, atol=1e-5, rtol=0, msg=name)
+
+
+def test_tables_named_by_embedding_ids_are_looked_up_in_one_request_per_server():
+    expected = BagModel()
+    served = PrefetchingBagModel()
+    served.load_state_dict(expected.state_dict())
+    trainer().fit(expected, data())
+    requests = LookupRequests()
+    trainer(strategy=LayerOffloadStrategy(num_embedding_servers=2), callbacks=[requests]).fit(served, data())
+    assert_trained_alike(served, expected)
+    # 3 tables on 2 servers: one request to each server per step, not one per table and server
+    assert [b - a for a, b in zip([0, *requests.counts], requests.counts)] == [2] * 8
+
+
+def test_embedding_ids_that_miss_cost_a_request_and_a_warning_never_a_wrong_row():
+    expected = BagModel()
+    served = PrefetchingBagModel(shift=1)
+    served.load_state_dict(expected.state_dict())
+    trainer().fit(expected, data())
+    with pytest.warns(UserWarning, match=r"PrefetchingBagModel.embedding_ids\(batch\) gave a table other ids"):
+        trainer(strategy=LayerOffloadStrategy(num_embedding_servers=2)).fit(served, data())
+    assert_trained_alike(served, expected)
+    wrong = PrefetchingBagModel(extra="head")
+    with pytest.raises(ValueError, match=r"names 'head', which is not an offloaded table; the offloaded tables are"):
+        trainer(strategy=LayerOffloadStrategy(num_embedding_servers=1)).fit(wrong, data())
 
 
 def test_an_id_outside_a_table_names_the_table_and_the_id():
