@@ -64,6 +64,11 @@ def _trainer(servers: int, staleness: int, steps: int, callbacks: list[Any], acc
     strategy: Any = "auto"
     if servers:
         strategy = LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, return_embeddings=False)
+    return timed_trainer(strategy, steps, callbacks, accelerator)
+
+
+def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
+    """One device, ``steps`` training steps, and nothing else: no logger, checkpoint, validation or bar."""
     return Trainer(
         accelerator=accelerator,
         devices=1,

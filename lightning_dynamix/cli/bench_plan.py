@@ -34,6 +34,7 @@ from typing import Any
 from lightning.pytorch import Callback, Trainer
 
 from lightning_dynamix.cli.bench import _config, _machine
+from lightning_dynamix.cli.bench_offload import timed_trainer
 from lightning_dynamix.cli.dlrm import DLRM
 from lightning_dynamix.cli.timing import StepTimer
 from lightning_dynamix.data import CTRDataModule
@@ -112,19 +113,9 @@ def _measure(plan: PlacementPlan, args: argparse.Namespace, seed: int) -> tuple[
     data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
     model = DLRM(table_sizes=data.spec.table_sizes, seed=seed, meta_embeddings=True)
     timer, requests = StepTimer(warmup=args.warmup), _LookupRequests()
-    Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        strategy=LayerOffloadStrategy(offload=plan, return_embeddings=False),
-        max_steps=args.steps + args.warmup + 1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer, requests],
-    ).fit(model, datamodule=data)
+    strategy = LayerOffloadStrategy(offload=plan, return_embeddings=False)
+    trainer = timed_trainer(strategy, args.steps + args.warmup + 1, [timer, requests], args.accelerator)
+    trainer.fit(model, datamodule=data)
     counts = requests.counts[args.warmup :]
     return timer.timings[0].median_step_seconds, (counts[-1] - counts[0]) / (len(counts) - 1)
 
