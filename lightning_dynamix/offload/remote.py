@@ -237,7 +237,9 @@ class EmbeddingClient:
         self._all(remote.remote_finish, self.trainer_rank)
 
 
-class _RemoteTable(nn.Module):
+class RemoteTable(nn.Module):
+    """What :class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag` share: a table's name, shape and sharding."""
+
     def __init__(self, client: EmbeddingClient, table: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
         super().__init__()
         if module.max_norm is not None:
@@ -266,7 +268,7 @@ class _RemoteTable(nn.Module):
         return f"{self.table!r}, {self.num_embeddings}, {self.embedding_dim}, servers={self.client.num_servers}"
 
 
-class RemoteEmbedding(_RemoteTable):
+class RemoteEmbedding(RemoteTable):
     """An ``nn.Embedding`` whose rows live on the embedding servers."""
 
     def forward(self, input: Tensor) -> Tensor:
@@ -274,7 +276,7 @@ class RemoteEmbedding(_RemoteTable):
         return F.embedding(inverse, rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
 
 
-class RemoteEmbeddingBag(_RemoteTable):
+class RemoteEmbeddingBag(RemoteTable):
     """An ``nn.EmbeddingBag`` whose rows live on the embedding servers."""
 
     def __init__(self, client: EmbeddingClient, table: str, module: nn.EmbeddingBag) -> None:
@@ -296,7 +298,7 @@ class RemoteEmbeddingBag(_RemoteTable):
         )
 
 
-def remote_module(client: EmbeddingClient, table: str, module: nn.Module) -> _RemoteTable:
+def remote_module(client: EmbeddingClient, table: str, module: nn.Module) -> RemoteTable:
     """The remote stand-in for embedding module ``module`` (named ``table``)."""
     if isinstance(module, nn.EmbeddingBag):
         return RemoteEmbeddingBag(client, table, module)

@@ -51,7 +51,7 @@ from typing_extensions import override
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
-from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, _RemoteTable, remote_module
+from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, RemoteTable, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 from lightning_dynamix.placement import PlacementPlan
@@ -138,7 +138,7 @@ class LayerOffloadStrategy(DDPStrategy):
         self._client: EmbeddingClient | None = None
         self._servers: list[subprocess.Popen] = []
         self._offloaded: dict[str, nn.Module] = {}  # the LightningModule's own embedding modules, set aside
-        self._remote: dict[str, _RemoteTable] = {}  # their stand-ins, by name
+        self._remote: dict[str, RemoteTable] = {}  # their stand-ins, by name
         self._misses_warned = False
         self._failed = False
         self._checkpoint_path: Path | None = None
@@ -329,9 +329,11 @@ class LayerOffloadStrategy(DDPStrategy):
         for name, value in ids.items():
             table = self._remote.get(name)
             if table is None:
+                if isinstance(_submodule(module, name), EMBEDDING_TYPES):
+                    continue  # a table `offload` left in the trainer: its lookup is local
                 raise ValueError(
-                    f"{type(module).__name__}.embedding_ids(batch) names {name!r}, which is not an offloaded"
-                    f" table; the offloaded tables are {sorted(self._remote)}"
+                    f"{type(module).__name__}.embedding_ids(batch) names {name!r}, which is not an embedding"
+                    f" module of the model; the offloaded tables are {sorted(self._remote)}"
                 )
             if not isinstance(value, torch.Tensor):
                 raise TypeError(
@@ -534,6 +536,13 @@ def _shared_weights(module: nn.Module, selected: Mapping[str, nn.Module]) -> lis
         for parameter in child.parameters(recurse=False):
             owners.setdefault(id(parameter), set()).add(owner)
     return sorted(name for name, m in selected.items() if len(owners.get(id(m.weight), ())) > 1)
+
+
+def _submodule(root: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:

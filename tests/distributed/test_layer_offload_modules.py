@@ -131,8 +131,20 @@ def test_embedding_ids_that_miss_cost_a_request_and_a_warning_never_a_wrong_row(
         trainer(strategy=LayerOffloadStrategy(num_embedding_servers=2)).fit(served, data())
     assert_trained_alike(served, expected)
     wrong = PrefetchingBagModel(extra="head")
-    with pytest.raises(ValueError, match=r"names 'head', which is not an offloaded table; the offloaded tables are"):
+    with pytest.raises(ValueError, match=r"names 'head', which is not an embedding module of the model; the offl"):
         trainer(strategy=LayerOffloadStrategy(num_embedding_servers=1)).fit(wrong, data())
+
+
+def test_embedding_ids_may_name_tables_left_in_the_trainer():
+    expected = BagModel()
+    served = PrefetchingBagModel()
+    served.load_state_dict(expected.state_dict())
+    trainer().fit(expected, data())
+    requests = LookupRequests()
+    strategy = LayerOffloadStrategy(num_embedding_servers=2, offload=["bag", "weighted"])
+    trainer(strategy=strategy, callbacks=[requests]).fit(served, data())
+    assert_trained_alike(served, expected)
+    assert requests.counts[-1] == 2 * 8  # the two offloaded tables, one request per server and step
 
 
 def test_an_id_outside_a_table_names_the_table_and_the_id():
