@@ -127,9 +127,10 @@ def run(args: argparse.Namespace) -> None:
     data = CTRDataModule(batch_size=args.batch_size)
     data.setup("fit")
     model = DLRM(table_sizes=data.spec.table_sizes)
-    devices = ["cpu"] if args.accelerator == "cpu" else ["cpu", "cuda"]
+    # the trainer's resource type, and the device its layers are profiled on
+    trainer_device, trainer_profile = ("cpu", "cpu") if args.accelerator == "cpu" else ("gpu", "cuda")
+    devices = sorted({"cpu", trainer_profile})
     profile = profile_model(model, next(iter(data.train_dataloader())), devices=devices, repeats=args.repeats)
-    trainer_profile = "cpu" if args.accelerator == "cpu" else "cuda"
     bandwidth = loopback_bandwidth()
     tables = [index for index, layer in enumerate(profile.layers) if layer.kind == "sparse"]
     sparse_ms = sum(profile.layers[i].seconds["cpu"] for i in tables) * args.batch_size * 1e3
@@ -149,7 +150,7 @@ def run(args: argparse.Namespace) -> None:
         "plans": {},
     }
     for servers in counts:
-        resources = _resources(profile, servers, bandwidth, "cpu" if args.accelerator == "cpu" else "gpu")
+        resources = _resources(profile, servers, bandwidth, trainer_device)
         cost = CostModel(profile, resources, target_throughput=1.0)
         plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
         if plan is None or plan.embedding_servers() != servers:
@@ -172,8 +173,6 @@ def run(args: argparse.Namespace) -> None:
             # lookups counted by the trainer, and one push per server
             "requests_per_step": statistics.mean(lookups) + servers,
         }
-        row = result["plans"][str(servers)]
-        row["unmodelled_ms_per_request"] = row["unmodelled_ms_per_step"] / row["requests_per_step"]
     print(
         f"\ndynamix bench plan: DLRM, {len(tables)} tables, batch {args.batch_size},"
         f" 1 trainer ({args.accelerator.upper()}), servers on the CPU;"

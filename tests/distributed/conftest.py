@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -36,12 +38,17 @@ def run_job(
     return proc
 
 
-@pytest.fixture
-def job_helpers():
-    sys.path.insert(0, str(JOBS))
-    try:
-        import common
+def import_job(name: str) -> ModuleType:
+    """The module ``jobs/<name>.py``, imported as its own (the jobs folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, JOBS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import would: dataclasses and pickling look their module up there
+    spec.loader.exec_module(module)
+    return module
 
-        yield common
-    finally:
-        sys.path.remove(str(JOBS))
+
+@pytest.fixture
+def job_helpers() -> ModuleType:
+    return import_job("common")

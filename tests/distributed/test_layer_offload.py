@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
-from tests.distributed.conftest import JOBS, run_job
+from tests.distributed.conftest import import_job, run_job
 
 pytestmark = pytest.mark.distributed
 
@@ -30,13 +30,7 @@ TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module")
 def job():
-    sys.path.insert(0, str(JOBS))
-    try:
-        import offload_job
-
-        yield offload_job
-    finally:
-        sys.path.remove(str(JOBS))
+    return import_job("offload_job")
 
 
 @pytest.fixture(scope="module")
