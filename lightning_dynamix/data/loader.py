@@ -12,7 +12,7 @@ training waited for each batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import (
@@ -78,6 +78,9 @@ class HeterogeneousDataLoader(DataLoader):
         self._current_step = -1
         self._current_sizes: BatchSizes = ()
         self.step_clock: StepClock | None = None
+        self.resume: Callable[[dict[str, Any]], None] | None = None
+        """How :meth:`load_state_dict` loads a saved state (a strategy sets its resume policy here:
+        the split of a job resumed on another number of ranks); default: the sampler's ``load_state_dict``."""
 
     @classmethod
     def like(cls, dataloader: DataLoader, batch_sampler: HeterogeneousBatchSampler) -> HeterogeneousDataLoader:
@@ -125,7 +128,10 @@ class HeterogeneousDataLoader(DataLoader):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next iterator continues where training stopped."""
-        self.batch_sampler.load_state_dict(state_dict)
+        if self.resume is not None:
+            self.resume(state_dict)
+        else:
+            self.batch_sampler.load_state_dict(state_dict)
 
 
 _PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)

@@ -21,7 +21,16 @@ from torch.utils.data import IterableDataset, Sampler
 
 from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, validate_batch_sizes
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: before resuming into another world size (no cut_world_size, schedules from step 0)
+
+
+def even_split(total: int, world_size: int) -> BatchSizes:
+    """``total`` samples over ``world_size`` ranks as evenly as possible (the first ranks take the remainder)."""
+    if world_size < 1 or total < world_size:
+        raise ValueError(f"a global batch of {total} samples cannot give each of {world_size} ranks one or more")
+    base, extra = divmod(total, world_size)
+    return tuple(base + (1 if r < extra else 0) for r in range(world_size))
 
 
 class EpochPermutation(Sampler[int]):
@@ -170,6 +179,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self.sampler = EpochPermutation(
             num_samples, shuffle=self.shuffle, seed=seed, on_epoch_change=self._on_permutation_epoch
         )
+        self.cut_world_size = self.world_size
+        """The world size whose cut of every epoch this job keeps: the one it started with (see ``schedule``)."""
         self._schedule = EpochSchedule(num_samples, sizes, drop_last=self.drop_last)
         self._schedule_epoch = 0
         self._next_epoch_sizes: BatchSizes | None = None
@@ -192,7 +203,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
 
     def _new_schedule(self) -> None:
         sizes = self._next_epoch_sizes or self._schedule.latest_batch_sizes
-        self._schedule = EpochSchedule(self.num_samples, sizes, drop_last=self.drop_last)
+        self._schedule = EpochSchedule(
+            self.num_samples, sizes, drop_last=self.drop_last, cut_world_size=self.cut_world_size
+        )
         self._next_epoch_sizes = None
         self._pass_start = self._produced = self._consumed = 0
         self._pass_started = False
@@ -344,44 +357,84 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             "seed": self.seed,
             "drop_last": self.drop_last,
             "epoch": self.epoch,
+            "cut_world_size": self.cut_world_size,
+            "first_cursor": self._schedule.first_cursor,
             "segments": [[start, list(sizes)] for start, sizes in self._schedule.segments],
             "next_epoch_batch_sizes": None if self._next_epoch_sizes is None else list(self._next_epoch_sizes),
             "step": step,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any], split: Callable[[int], Sequence[int]] | None = None) -> None:
         """Restore :meth:`state_dict`; the next pass continues at the saved step.
 
         A state saved after the last step of its epoch resumes at the start of the next epoch
         (epoch + 1, with the latest sizes), so that an iterator created before the training loop
         sets the new epoch already yields the new epoch's batches.
 
+        A state saved by another number of ranks resumes too: the rest of the epoch keeps its steps
+        and global batches (so the samples still to train are trained exactly once, in the global
+        batches the saved job would have trained), each split over this sampler's ranks by
+        ``split(global_batch)`` (default: :func:`even_split`); the epochs after it keep the saved
+        job's global batch and its cut of the epoch (:attr:`cut_world_size`). The sizes this sampler
+        was built with are not used then: set other ones with :meth:`set_batch_sizes` after loading.
+
         Raises:
-            ValueError: when the state comes from another format version or another dataset
-                size, world size, shuffle, seed or drop_last (the schedule would differ).
+            ValueError: when the state comes from a format version this code cannot read, or from
+                another dataset size, shuffle, seed or drop_last (the order would differ), or when
+                the saved global batch cannot be split over this sampler's ranks.
         """
-        if state_dict.get("version") != _STATE_VERSION:
+        version = state_dict.get("version")
+        if version not in _READABLE_VERSIONS:
             raise ValueError(
-                f"sampler state has format version {state_dict.get('version')!r}; this version of"
-                f" lightning-dynamix reads version {_STATE_VERSION}"
+                f"cannot resume: the saved sampler state has format version {version!r}; this version of"
+                f" lightning-dynamix reads versions {list(_READABLE_VERSIONS)}"
             )
-        for key in ("num_samples", "world_size", "shuffle", "seed", "drop_last"):
+        for key in ("num_samples", "shuffle", "seed", "drop_last"):
             if state_dict[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot resume: the saved sampler has {key}={state_dict[key]!r} but this one has"
-                    f" {key}={getattr(self, key)!r}; the schedule and sample order would differ."
+                    f" {key}={getattr(self, key)!r}; the order of the samples would differ, so some would be"
+                    " trained twice and others never. Resume with the same dataset, shuffle, seed and drop_last."
                 )
-        schedule = EpochSchedule.from_segments(
-            self.num_samples, [(s, tuple(b)) for s, b in state_dict["segments"]], drop_last=self.drop_last
+        saved_world = int(state_dict["world_size"])
+        cut = int(state_dict.get("cut_world_size", saved_world))
+        segments = [(int(start), tuple(sizes)) for start, sizes in state_dict["segments"]]
+        first_cursor = int(state_dict.get("first_cursor", 0))
+        saved = EpochSchedule.from_segments(
+            self.num_samples,
+            [(segments[0][0], segments[0][1], first_cursor), *segments[1:]],
+            drop_last=self.drop_last,
+            cut_world_size=cut,
         )
         step = int(state_dict["step"])
-        if not 0 <= step <= len(schedule):
-            raise ValueError(f"saved step {step} lies outside the saved epoch's {len(schedule)} steps")
+        if not saved.first_step <= step <= len(saved):
+            raise ValueError(f"saved step {step} lies outside the saved epoch [{saved.first_step}, {len(saved)}]")
+        next_sizes = state_dict["next_epoch_batch_sizes"]
+        next_epoch = None if next_sizes is None else tuple(int(b) for b in next_sizes)
+        if saved_world == self.world_size:
+            schedule = saved
+        else:
+            regroup = split if split is not None else (lambda total: even_split(total, self.world_size))
+
+            def checked_split(total: int) -> BatchSizes:
+                try:
+                    sizes = validate_batch_sizes(regroup(total), world_size=self.world_size, argument="split sizes")
+                except ValueError as error:
+                    raise ValueError(
+                        f"cannot resume on {self.world_size} ranks what {saved_world} ranks saved: {error}"
+                    ) from None
+                if sum(sizes) != total:
+                    raise ValueError(f"`split({total})` gave {list(sizes)}, which does not sum to {total}")
+                return sizes
+
+            schedule = saved.regrouped(step, checked_split)
+            if next_epoch is not None:
+                next_epoch = checked_split(sum(next_epoch))
+        self.cut_world_size = cut
         self.sampler.set_epoch(int(state_dict["epoch"]))
         self._schedule = schedule
         self._schedule_epoch = self.sampler.epoch
-        next_sizes = state_dict["next_epoch_batch_sizes"]
-        self._next_epoch_sizes = None if next_sizes is None else tuple(next_sizes)
+        self._next_epoch_sizes = next_epoch
         self._pass_start = self._produced = step
         self._consumed = 0
         self._pass_started = False

@@ -7,25 +7,32 @@ agree on the number of steps in an epoch and on every rank's batch size at every
 Step ``k`` takes the next ``sum(b)`` positions of the epoch's global order; rank ``r`` gets
 its slice in rank order. The last step of an epoch is special:
 
-* ``drop_last=False`` (default): nothing is lost. While at least ``sum(b) + world_size``
-  samples remain, a step takes exactly ``b``. The step that would leave fewer than
-  ``world_size`` samples behind is the last one and takes everything that is left, ``R``:
+* ``drop_last=False`` (default): nothing is lost. While at least ``sum(b) + reserve`` samples
+  remain, a step takes exactly ``b``. The step that would leave fewer than ``reserve`` samples
+  behind is the last one and takes everything that is left, ``R``. ``reserve`` is the world size,
+  or, in a job resumed on other ranks, the larger of the world size and the world size the job
+  started with (``cut_world_size``), so that a job resumed on fewer ranks cuts its epochs where
+  the uninterrupted job would have:
 
-  - ``R >= sum(b)`` (fewer than ``world_size`` extra samples): every rank gets ``b_r`` and the
+  - ``R >= sum(b)`` (fewer than ``reserve`` extra samples): every rank gets ``b_r`` and the
     ``R - sum(b)`` extra samples go one each to the ranks with the largest batch sizes (ties to
-    the lower rank). No rank gets more than one sample above its size.
+    the lower rank), round after round when there are more extra samples than ranks. No rank
+    gets more than one sample above its size unless the job runs on fewer ranks than it started with.
   - ``world_size <= R < sum(b)`` (a short tail): every rank gets one sample and the rest is split
     in proportion to ``b_r - 1`` by largest remainders. No rank gets more than ``b_r``.
 
   So every rank gets at least one sample at every step and every sample is used exactly once.
 * ``drop_last=True``: only full steps; the fewer than ``sum(b)`` samples left at the end of an
   epoch are skipped in that epoch.
+
+A schedule may also begin part-way through an epoch (:meth:`EpochSchedule.regrouped`): the steps
+already trained keep their positions, the rest of the epoch is split over another number of ranks.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 BatchSizes = tuple[int, ...]
@@ -75,19 +82,18 @@ def validate_batch_sizes(
 def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
     """Per-rank sizes of the last step of an epoch that takes all ``remaining`` samples.
 
-    ``remaining`` must satisfy ``world_size <= remaining < sum(batch_sizes) + world_size``.
+    ``remaining`` must be at least ``world_size``; past ``sum(batch_sizes)`` the extra samples go
+    one each to the largest sizes, round after round.
     """
     world_size = len(batch_sizes)
     total = sum(batch_sizes)
-    if not world_size <= remaining < total + world_size:
-        raise ValueError(
-            f"a final step must hold between {world_size} and {total + world_size - 1} samples, got {remaining}"
-        )
+    if remaining < world_size:
+        raise ValueError(f"a final step must hold at least {world_size} samples (one per rank), got {remaining}")
     if remaining >= total:
-        extra = remaining - total
+        rounds, extra = divmod(remaining - total, world_size)
         # one extra sample each to the ranks with the largest sizes, lower rank first on ties
         order = sorted(range(world_size), key=lambda r: (-batch_sizes[r], r))
-        sizes = list(batch_sizes)
+        sizes = [b + rounds for b in batch_sizes]
         for r in order[:extra]:
             sizes[r] += 1
         return tuple(sizes)
@@ -119,9 +125,18 @@ class EpochSchedule:
 
     Sizes can change from any step that has not been handed out yet (:meth:`change`); steps
     before it keep their sizes and positions. All queries are O(log number of changes).
+
+    Args:
+        num_samples: samples in the epoch.
+        batch_sizes: every rank's size from step 0.
+        drop_last: skip the incomplete last step instead of spreading it.
+        cut_world_size: the world size whose cut of the epoch this schedule keeps (see the module
+            docstring); default: this schedule's own world size.
     """
 
-    def __init__(self, num_samples: int, batch_sizes: BatchSizes, *, drop_last: bool = False) -> None:
+    def __init__(
+        self, num_samples: int, batch_sizes: BatchSizes, *, drop_last: bool = False, cut_world_size: int | None = None
+    ) -> None:
         sizes = validate_batch_sizes(batch_sizes)
         if num_samples < sum(sizes):
             raise ValueError(
@@ -131,27 +146,104 @@ class EpochSchedule:
         self.num_samples = num_samples
         self.world_size = len(sizes)
         self.drop_last = drop_last
+        self.cut_world_size = self.world_size if cut_world_size is None else cut_world_size
+        # the fewest samples the final step holds: every rank gets one, and the cut stays the original job's
+        self.reserve = max(self.world_size, self.cut_world_size)
         self._segments: list[_Segment] = [_Segment(0, sizes, sum(sizes), 0)]
         self._starts: list[int] = [0]
         self._length: int | None = None
 
     @classmethod
     def from_segments(
-        cls, num_samples: int, segments: Sequence[tuple[int, Sequence[int]]], *, drop_last: bool = False
+        cls,
+        num_samples: int,
+        segments: Sequence[tuple[int, Sequence[int]] | tuple[int, Sequence[int], int]],
+        *,
+        drop_last: bool = False,
+        cut_world_size: int | None = None,
     ) -> EpochSchedule:
-        """Rebuild a schedule from its :attr:`segments` (as saved in a state dict)."""
-        if not segments or segments[0][0] != 0:
-            raise ValueError(f"a schedule's segments must start at step 0, got {list(segments)!r}")
-        schedule = cls(num_samples, tuple(segments[0][1]), drop_last=drop_last)
-        for start, sizes in segments[1:]:
-            if not schedule.change(int(start), tuple(sizes)):
-                raise ValueError(f"a size change at step {start} lies past the end of the epoch")
+        """Rebuild a schedule from its :attr:`segments` (as saved in a state dict).
+
+        Segments are ``(start_step, batch_sizes)`` from step 0, or ``(start_step, batch_sizes,
+        start_cursor)`` for a schedule that begins part-way through the epoch (the first segment's
+        cursor says where; the later ones follow from it).
+        """
+        if not segments:
+            raise ValueError("a schedule needs at least one segment")
+        first = segments[0]
+        start_cursor = int(first[2]) if len(first) > 2 else 0  # type: ignore[misc]
+        if (int(first[0]) == 0) != (start_cursor == 0) or start_cursor < 0:
+            raise ValueError(f"a schedule's first segment must start at step 0 or give its cursor, got {first!r}")
+        schedule = cls(num_samples, tuple(first[1]), drop_last=drop_last, cut_world_size=cut_world_size)
+        schedule._begin_at(int(first[0]), start_cursor)
+        for segment in segments[1:]:
+            start, sizes = int(segment[0]), tuple(segment[1])
+            if start <= schedule._segments[-1].start_step or not schedule.change(start, sizes):
+                raise ValueError(f"a size change at step {start} is out of order or lies past the end of the epoch")
         return schedule
+
+    def _begin_at(self, start_step: int, start_cursor: int) -> None:
+        """Make the first segment begin at ``start_step`` and position ``start_cursor`` (earlier steps are history)."""
+        if start_cursor > self.num_samples:
+            raise ValueError(f"a schedule cannot begin at position {start_cursor} of a {self.num_samples}-sample epoch")
+        seg = self._segments[0]
+        self._segments = [_Segment(start_step, seg.batch_sizes, seg.total, start_cursor)]
+        self._starts = [start_step]
+        self._length = None
+
+    @property
+    def first_step(self) -> int:
+        """The first step this schedule knows: 0, or where a regrouped schedule begins."""
+        return self._segments[0].start_step
 
     @property
     def segments(self) -> list[tuple[int, BatchSizes]]:
-        """``(start_step, batch_sizes)`` of every size change in this epoch, the first at step 0."""
+        """``(start_step, batch_sizes)`` of every size change in this epoch, the first at :attr:`first_step`."""
         return [(s.start_step, s.batch_sizes) for s in self._segments]
+
+    @property
+    def first_cursor(self) -> int:
+        """The position in the epoch's order where :attr:`first_step` begins."""
+        return self._segments[0].start_cursor
+
+    def regrouped(
+        self, from_step: int, split: Callable[[int], Sequence[int]], *, cut_world_size: int | None = None
+    ) -> EpochSchedule:
+        """This epoch from ``from_step`` on, split over another number of ranks.
+
+        Every step keeps its place in the epoch and its global batch (``split(total)`` gives the
+        new ranks' sizes of each segment's total), so the new ranks train exactly the global
+        batches these ranks would have. ``cut_world_size`` (default: this schedule's) keeps the
+        epoch's end where it was (see the module docstring).
+
+        Raises:
+            ValueError: when ``from_step`` lies outside the epoch, or ``split`` gives sizes that
+                are not positive ints or do not sum to the segment's total.
+        """
+        if not self.first_step <= from_step <= len(self):
+            raise ValueError(f"`from_step` must lie in [{self.first_step}, {len(self)}], got {from_step}")
+        cut = self.cut_world_size if cut_world_size is None else cut_world_size
+        first = bisect.bisect_right(self._starts, from_step) - 1 if from_step < len(self) else len(self._segments) - 1
+        # at the epoch's end nothing is left: an empty remainder that ends there
+        cursor = self.num_samples if from_step == len(self) else self._locate(from_step)[1]
+        rebuilt: list[tuple[int, BatchSizes, int]] = []
+        for i, seg in enumerate(self._segments[first:]):
+            sizes = validate_batch_sizes(split(seg.total), argument="regrouped batch sizes")
+            if sum(sizes) != seg.total:
+                raise ValueError(f"a regrouped split of {seg.total} samples must sum to it, got {list(sizes)}")
+            rebuilt.append((from_step if i == 0 else seg.start_step, sizes, cursor))
+        schedule = EpochSchedule(self.num_samples, rebuilt[0][1], drop_last=self.drop_last, cut_world_size=cut)
+        schedule._begin_at(from_step, cursor)
+        for start, sizes, _ in rebuilt[1:]:
+            schedule.change(start, sizes)
+        left = self.num_samples - cursor
+        if not self.drop_last and 0 < left < schedule.world_size:
+            raise ValueError(
+                f"the epoch has {left} samples left at step {from_step}, fewer than the {schedule.world_size} new"
+                f" ranks: every rank must train at least one sample per step. Resume this epoch on at most {left}"
+                " ranks, or from a checkpoint taken at another step."
+            )
+        return schedule
 
     @property
     def latest_batch_sizes(self) -> BatchSizes:
@@ -168,20 +260,21 @@ class EpochSchedule:
         left = self.num_samples - cursor
         if self.drop_last:
             return left // total
-        # a full step must leave at least world_size samples for the final step
-        return max(0, (left - self.world_size) // total)
+        # a full step must leave at least `reserve` samples for the final step
+        return max(0, (left - self.reserve) // total)
 
     def _compute_length(self) -> int:
         for i, seg in enumerate(self._segments):
             full = self._full_steps(seg.start_cursor, seg.total)
             if i + 1 < len(self._segments) and self._segments[i + 1].start_step <= seg.start_step + full:
                 continue  # the next change begins before this segment runs out of data
-            return seg.start_step + full + (0 if self.drop_last else 1)
+            ends_here = self.drop_last or seg.start_cursor + full * seg.total >= self.num_samples
+            return seg.start_step + full + (0 if ends_here else 1)
         raise AssertionError("unreachable: the last segment always ends the epoch")
 
     def _locate(self, step: int) -> tuple[_Segment, int]:
-        if not 0 <= step < len(self):
-            raise IndexError(f"step {step} is outside this epoch's {len(self)} steps")
+        if not self.first_step <= step < len(self):
+            raise IndexError(f"step {step} is outside this epoch's steps [{self.first_step}, {len(self)})")
         seg = self._segments[bisect.bisect_right(self._starts, step) - 1]
         return seg, seg.start_cursor + (step - seg.start_step) * seg.total
 
@@ -197,7 +290,7 @@ class EpochSchedule:
         """``(cursor, batch_sizes)`` of ``step``: where it begins and every rank's size."""
         seg, cursor = self._locate(step)
         remaining = self.num_samples - cursor
-        if self.drop_last or remaining >= seg.total + self.world_size:
+        if self.drop_last or remaining >= seg.total + self.reserve:
             return cursor, seg.batch_sizes
         return cursor, final_step_sizes(seg.batch_sizes, remaining)
 
@@ -207,8 +300,8 @@ class EpochSchedule:
         Returns False, changing nothing, when ``from_step`` is at or past the end of this epoch.
         """
         sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
-        if from_step < 0:
-            raise ValueError(f"`from_step` must be >= 0, got {from_step}")
+        if from_step < self.first_step:
+            raise ValueError(f"`from_step` must be >= {self.first_step}, got {from_step}")
         if sum(sizes) > self.num_samples:
             raise ValueError(
                 f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}, more than the dataset's"

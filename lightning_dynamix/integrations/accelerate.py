@@ -35,6 +35,7 @@ for epoch in range(epochs):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -61,6 +62,7 @@ from lightning_dynamix.distributed import (
     weighted_allreduce_hook,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
+from lightning_dynamix.elastic import ResumeWeights, resume_sampler
 from lightning_dynamix.loop import (
     DecisionMaker,
     IntervalMeter,
@@ -250,6 +252,9 @@ class DynamixAccelerate:
         self.log_per_rank = bool(log_per_rank)
         self.meter: IntervalMeter | None = None
         self.maker: DecisionMaker | None = None
+        self.resume_weights: ResumeWeights | None = None
+        """Relative speeds of the processes when a state saved by another number of processes is loaded;
+        ``None`` splits the global batch evenly (with a controller, its knowledge of the machines is used)."""
         if controller is not None:
             built, name = build_controller(
                 controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling, finetune
@@ -332,8 +337,23 @@ class DynamixAccelerate:
             instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
         loader = HeterogeneousDataLoader.like(dataloader, sampler)
+        loader.resume = functools.partial(self._resume_sampler, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
         return self.train_loader
+
+    def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
+        """Load a saved position in the training data, saved by this number of processes or another."""
+        try:
+            resume_sampler(
+                sampler,
+                state,
+                min_batch_size=self.min_batch_size,
+                max_batch_size=self.max_batch_size,
+                batch_sizes=self._initial_sizes,
+                weights=self.resume_weights,
+            )
+        except ValueError as err:
+            raise ValueError(f"DynamixAccelerate cannot resume this state: {err}") from err
 
     def _start_measuring(self) -> None:
         if self.meter is None or self.train_loader is None:

@@ -24,6 +24,7 @@ unless asked for, and neither adds a collective.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,6 +58,7 @@ from lightning_dynamix.distributed import (
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
 )
+from lightning_dynamix.elastic import ResumeWeights, resume_sampler
 from lightning_dynamix.metrics.timers import StepClock
 
 GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
@@ -143,6 +145,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
+        self._explicit_sizes = batch_sizes is not None
+        self.resume_weights: ResumeWeights | None = None
+        """Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of
+        ranks (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly."""
 
     def _validate_sizes(self, batch_sizes: object, world_size: int | None) -> BatchSizes:
         return validate_batch_sizes(
@@ -228,6 +234,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         loader = self._train_loader
         if loader is None:
             self._batch_sizes = sizes
+            self._explicit_sizes = True
             return None
         # the sampler notifies _sync_trainer_epoch_length
         return set_batch_sizes_on_every_rank(loader.batch_sampler, sizes, from_step, device=self.root_device)
@@ -279,12 +286,30 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             sampler = self._new_sampler(dataloader)
         # the epoch about to run: DataLoader workers start prefetching before Lightning sets it
         sampler.set_epoch(self.lightning_module.trainer.current_epoch)
-        if self._loader_state_to_load is not None:
-            sampler.load_state_dict(self._loader_state_to_load)
-            self._loader_state_to_load = None
         if isinstance(dataloader, HeterogeneousDataLoader) and dataloader.batch_sampler is sampler:
-            return dataloader
-        return HeterogeneousDataLoader.like(dataloader, sampler)
+            loader = dataloader
+        else:
+            loader = HeterogeneousDataLoader.like(dataloader, sampler)
+        # Lightning loads the saved position again when it restarts mid-epoch: the same policy both times
+        loader.resume = functools.partial(self._resume_sampler, sampler)
+        if self._loader_state_to_load is not None:
+            loader.load_state_dict(self._loader_state_to_load)
+            self._loader_state_to_load = None
+        return loader
+
+    def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
+        """Load a checkpoint's position in the training data, saved by this number of ranks or another."""
+        try:
+            resume_sampler(
+                sampler,
+                state,
+                min_batch_size=self.min_batch_size,
+                max_batch_size=self.max_batch_size,
+                batch_sizes=self._batch_sizes if self._explicit_sizes else None,
+                weights=self.resume_weights,
+            )
+        except ValueError as err:
+            raise MisconfigurationException(f"HeterogeneousDDPStrategy cannot resume this checkpoint: {err}") from err
 
     def _new_sampler(self, dataloader: DataLoader) -> HeterogeneousBatchSampler:
         try:

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import IterableDataset, TensorDataset
 
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
+from lightning_dynamix.data.sampler import even_split
 
 
 def make_samplers(num_samples, sizes, **kwargs):
@@ -197,13 +198,80 @@ def test_state_saved_after_the_last_step_resumes_at_the_next_epoch_with_the_late
     assert [len(b) for b in steps[0]] == [3, 3]
 
 
-@pytest.mark.parametrize(("key", "value"), [("num_samples", 25), ("world_size", 3), ("seed", 9), ("version", 99)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("num_samples", 25), ("shuffle", False), ("seed", 9), ("drop_last", True), ("version", 99)]
+)
 def test_state_from_another_schedule_is_refused(key, value):
     (sampler,) = make_samplers(24, [4])
     state = sampler.state_dict()
     state[key] = value
     with pytest.raises(ValueError, match=key if key != "version" else "format version"):
         sampler.load_state_dict(state)
+
+
+def global_batches(steps):
+    """Each step's samples over all ranks, in rank order: the global batch whatever the number of ranks."""
+    return [[i for batch in batches for i in batch] for batches in steps]
+
+
+@settings(max_examples=200, deadline=None)
+@given(job=jobs(), new_world=world_sizes, drop_last=st.booleans(), data=st.data())
+def test_resume_on_another_number_of_ranks_trains_the_same_global_batches(job, new_world, drop_last, data):
+    num_samples, sizes, resizes = job
+    assume(num_samples >= new_world)
+    kwargs = {"seed": 3, "drop_last": drop_last}
+    reference = make_samplers(num_samples, sizes, **kwargs)
+    expected = [run_epoch(reference, resizes)]
+    for s in reference:
+        s.set_epoch(1)
+    expected.append(run_epoch(reference))
+    stop = data.draw(st.integers(0, len(expected[0])), label="checkpoint after step")
+    interrupted = make_samplers(num_samples, sizes, **kwargs)
+    done = run_epoch(interrupted, {k: v for k, v in resizes.items() if k <= stop}, stop_after=stop)
+    state = interrupted[0].state_dict()
+    resumed = make_samplers(num_samples, [1] * new_world, **kwargs)
+    left = num_samples - len(flatten(done))
+    assume(min([sum(sizes), *map(sum, resizes.values())]) >= new_world)  # too small a global batch: below
+    if 0 < left < new_world and stop < len(expected[0]) and not drop_last:
+        with pytest.raises(ValueError, match="fewer than the"):
+            resumed[0].load_state_dict(state)
+        return
+    for s in resumed:
+        s.load_state_dict(state)
+    # the decisions taken after the checkpoint: the same global batches over the new ranks
+    later = {k - stop: even_split(sum(v), new_world) for k, v in resizes.items() if k > stop}
+    rest = [] if stop == len(expected[0]) else run_epoch(resumed, later)
+    for s in resumed:
+        s.set_epoch(1)
+    next_epoch = run_epoch(resumed)
+    # every sample exactly once in every epoch, every rank at least one sample at every step
+    assert sorted(flatten(done + rest)) == sorted(flatten(expected[0]))
+    assert sorted(flatten(next_epoch)) == sorted(flatten(expected[1]))
+    assert all(len(batch) >= 1 for batches in rest + next_epoch for batch in batches)
+    # the same global batches as the uninterrupted job; with more ranks than it started with, a final
+    # step smaller than their number joins the step before (documented)
+    if new_world <= len(sizes) or drop_last:
+        assert global_batches(done + rest) == global_batches(expected[0])
+        assert global_batches(next_epoch) == global_batches(expected[1])
+
+
+def test_resume_on_other_ranks_splits_the_global_batch_evenly_or_as_asked():
+    samplers = make_samplers(60, [2, 3, 7])
+    run_epoch(samplers, stop_after=2)
+    state = samplers[0].state_dict()
+    even = make_samplers(60, [1, 1])
+    for s in even:
+        s.load_state_dict(state)
+    assert even[0].batch_sizes == (6, 6)
+    assert [len(b) for b in run_epoch(even)[0]] == [6, 6]
+    (asked,) = make_samplers(60, [1, 1], seed=0)[:1]
+    asked.load_state_dict(state, split=lambda total: (total - 2, 2))
+    assert asked.batch_sizes == (10, 2)
+    with pytest.raises(ValueError, match="does not sum"):
+        make_samplers(60, [1, 1])[0].load_state_dict(state, split=lambda total: (1, 1))
+    too_many = make_samplers(60, [1] * 13)[0]
+    with pytest.raises(ValueError, match="global batch of 12 samples"):
+        too_many.load_state_dict(state)
 
 
 class _Stream(IterableDataset):

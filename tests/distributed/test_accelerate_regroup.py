@@ -1,0 +1,70 @@
+"""DynamixAccelerate: a state saved by 3 processes resumes on 2 and one saved by 2 resumes on 3, exactly.
+
+Each resumed job must train the global batches of the uninterrupted job that saved the state
+(every remaining sample once) and end with its parameters; SGD without DataLoader workers and
+Adam with 2 workers (jobs/accelerate_regroup_job.py under torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.conftest import JOBS
+from tests.distributed.test_regroup import NUM_SAMPLES, global_steps
+
+pytestmark = pytest.mark.distributed
+
+
+def torchrun(world: int, out: Path, *args: str) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(JOBS))
+    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+        env.pop(name, None)
+    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(world)]
+    proc = subprocess.run(
+        [*command, str(JOBS / "accelerate_regroup_job.py"), str(out), *args],
+        cwd=out, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("accelerate-regroup")
+    torchrun(3, out)
+    torchrun(2, out, "3")
+    torchrun(3, out, "2")
+
+    def load(config, name, world):
+        return [torch.load(out / f"{config}-{name}-w{world}-rank{r}.pt") for r in range(world)]
+
+    return load
+
+
+@pytest.mark.parametrize("config", ["sgd-workers0", "adam-workers2"])
+@pytest.mark.parametrize("checkpoint", ["mid", "end"])
+@pytest.mark.parametrize(("saved", "resumed"), [(3, 2), (2, 3)], ids=["3-to-2", "2-to-3"])
+def test_state_resumed_on_other_processes_trains_the_same_global_batches_and_ends_equal(
+    runs, config, checkpoint, saved, resumed
+):
+    full = runs(config, "full", saved)
+    first = global_steps(runs(config, checkpoint, saved))
+    after = runs(config, f"resume-{checkpoint}-from{saved}", resumed)
+    rest = global_steps(after)
+    assert first
+    assert rest
+    assert not set(first) & set(rest), "a step was trained twice"
+    assert {**first, **rest} == global_steps(full)
+    for epoch in (0, 1):
+        seen = [i for (e, _), indices in [*first.items(), *rest.items()] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+    reference = full[0]["params"]
+    for rank in after:
+        worst = max((rank["params"][k] - reference[k]).abs().max().item() for k in reference)
+        assert worst <= 1e-6, f"max abs difference {worst}"

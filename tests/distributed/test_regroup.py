@@ -1,0 +1,72 @@
+"""Lightning jobs resumed on another number of ranks (3 -> 2 and 2 -> 3) train as if never interrupted.
+
+Three launches (jobs/regroup_job.py): 3 ranks train and checkpoint mid-epoch and at an epoch's end;
+2 ranks resume those, then train and checkpoint themselves; 3 ranks resume the 2-rank checkpoints.
+Each resumed job must train exactly the global batches of the uninterrupted job that wrote its
+checkpoint (every remaining sample once), split over its own ranks, and end with its parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import run_job
+
+pytestmark = pytest.mark.distributed
+
+NUM_SAMPLES = 150
+CONFIGS = ("sgd-workers0", "adam-workers2")
+DIRECTIONS = [(3, 2), (2, 3)]  # (saved by, resumed on)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("regroup")
+    run_job("regroup_job.py", 3, out, cwd=out)
+    run_job("regroup_job.py", 2, out, 3, cwd=out)
+    run_job("regroup_job.py", 3, out, 2, cwd=out)
+
+    def load(config, name, world):
+        return [torch.load(out / f"{config}-{name}-w{world}-rank{r}.pt") for r in range(world)]
+
+    return load
+
+
+def global_steps(ranks):
+    """``(epoch, batch_idx) -> sorted sample indices over all ranks``, checking every rank ran every step."""
+    keys = [[(e, b) for e, b, _ in rank["steps"]] for rank in ranks]
+    assert all(k == keys[0] for k in keys), "ranks trained different steps"
+    merged: dict[tuple[int, int], list[int]] = {}
+    for rank in ranks:
+        for epoch, batch_idx, indices in rank["steps"]:
+            merged.setdefault((epoch, batch_idx), []).extend(indices)
+    return {key: sorted(v) for key, v in merged.items()}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("checkpoint", ["mid", "end"])
+@pytest.mark.parametrize(("saved", "resumed"), DIRECTIONS, ids=["3-to-2", "2-to-3"])
+def test_resumed_on_other_ranks_trains_the_same_global_batches_and_ends_equal(runs, config, checkpoint, saved, resumed):
+    full = runs(config, "full", saved)
+    before = runs(config, f"{checkpoint}1", saved)
+    after = runs(config, f"{checkpoint}2-from{saved}", resumed)
+    expected, first, rest = global_steps(full), global_steps(before), global_steps(after)
+    assert first
+    assert rest
+    assert not set(first) & set(rest), "a step was trained twice"
+    assert {**first, **rest} == expected
+    for epoch in (0, 1):  # every sample exactly once per epoch across the interruption
+        seen = [i for (e, _), indices in [*first.items(), *rest.items()] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+    reference = full[0]["params"]
+    for rank in after:
+        worst = max((rank["params"][k] - reference[k]).abs().max().item() for k in reference)
+        assert worst <= 1e-6, f"max abs difference {worst} on a {resumed}-rank job resumed from {saved} ranks"
+
+
+@pytest.mark.parametrize(("saved", "resumed"), DIRECTIONS, ids=["3-to-2", "2-to-3"])
+def test_without_a_controller_the_resumed_global_batch_is_split_evenly(runs, saved, resumed):
+    after = runs("sgd-workers0", f"mid2-from{saved}", resumed)
+    first_sizes = [len(rank["steps"][0][2]) for rank in after]
+    assert max(first_sizes) - min(first_sizes) <= 1
