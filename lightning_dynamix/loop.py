@@ -281,6 +281,10 @@ class DecisionMaker:
         self.lr_scale = 1.0
         self.base_global_batch: int | None = None
         self._warned_not_finite = False
+        self.machine_ids: list[str] | None = None
+        """The machine of every rank, in rank order (see :func:`lightning_dynamix.elastic.machine_id`)."""
+        self.regrouped_from: list[int | None] | None = None
+        """After :meth:`join` found another group: every new rank's old rank, ``None`` for a new machine."""
 
     def decide(self, state: ClusterState, current: Sequence[int], is_rank_zero: bool, device: torch.device) -> Decision:
         """The decision of this interval on every rank: a collective (one broadcast)."""
@@ -349,12 +353,50 @@ class DecisionMaker:
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
         return Decision(tuple(sizes), lr_scale=scale, from_step=decision.from_step)
 
+    def join(self, machine_ids: Sequence[str]) -> None:
+        """The job runs (or resumed) on ranks with these machine ids, in rank order: the same call on every rank.
+
+        When a resumed job's machines differ from the saved ones, the controller's per-rank state is
+        carried over by machine (``controller.regroup``, where it has one): a machine that stays keeps
+        what was learnt about it, a new one starts from the others' mean. A controller without
+        ``regroup`` keeps its state as it is, which it must then cope with (a warning says so).
+        """
+        ids = list(machine_ids)
+        saved, self.machine_ids = self.machine_ids, ids
+        if saved is None or saved == ids:
+            return
+        previous = [saved.index(name) if name in saved else None for name in ids]
+        self.regrouped_from = previous
+        regroup = getattr(self.controller, "regroup", None)
+        if callable(regroup):
+            regroup(previous)
+        else:
+            log.warning(
+                "%s: the job resumed on other machines (%s, was %s) but controller %s has no regroup(previous);"
+                " its per-rank state is kept in rank order.",
+                self.owner,
+                ids,
+                saved,
+                self.controller_name,
+            )
+
+    def resume_weights(self) -> list[float] | None:
+        """Every rank's speed as the controller knows it (``rank_speeds()``), to split a resumed global batch."""
+        speeds_of = getattr(self.controller, "rank_speeds", None)
+        speeds = speeds_of() if callable(speeds_of) else None
+        if speeds is None or self.machine_ids is None or len(speeds) != len(self.machine_ids):
+            return None
+        if not all(math.isfinite(s) and s > 0 for s in speeds):
+            return None
+        return [float(s) for s in speeds]
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "controller": self.controller.state_dict(),
             "lr_scale": self.lr_scale,
             "base_global_batch": self.base_global_batch,
             "warned_not_finite": self._warned_not_finite,
+            "machine_ids": self.machine_ids,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -362,6 +404,8 @@ class DecisionMaker:
         self.lr_scale = float(state_dict["lr_scale"])
         self.base_global_batch = state_dict["base_global_batch"]
         self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))
+        saved = state_dict.get("machine_ids")
+        self.machine_ids = None if saved is None else [str(i) for i in saved]
 
 
 def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[str, float]:

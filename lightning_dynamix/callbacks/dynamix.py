@@ -20,6 +20,7 @@ from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
+from lightning_dynamix.elastic import gather_machine_ids
 from lightning_dynamix.loop import DecisionMaker, build_controller, check_world_size, wants_noise_scale
 from lightning_dynamix.metrics import ClusterState
 
@@ -91,6 +92,7 @@ class DynamixCallback(ClusterMetricsMonitor):
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
         self.maker = DecisionMaker(self.controller, self.controller_name, self.lr_scaling, "DynamixCallback")
+        self._machine_ids: list[str] | None = None
 
     @property
     def lr_scale(self) -> float:
@@ -109,6 +111,10 @@ class DynamixCallback(ClusterMetricsMonitor):
         if stage != "fit":
             return
         strategy = self._strategy_or_fail()
+        # which machine every rank is: a resumed job keeps what it learnt about the machines that stay
+        self._machine_ids = gather_machine_ids(trainer.local_rank)
+        self.maker.join(self._machine_ids)
+        strategy.resume_weights = self.maker.resume_weights
         try:
             check_world_size(self.controller, trainer.world_size)
         except ValueError as error:
@@ -166,3 +172,5 @@ class DynamixCallback(ClusterMetricsMonitor):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         self.maker.load_state_dict(state_dict)
+        if self._machine_ids is not None:  # restored after setup: carry the controller over to this group
+            self.maker.join(self._machine_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,6 +46,15 @@ class BatchController(Protocol):
     ``decide`` is called on rank 0 only, once per decision interval, with states whose measured
     fields are finite; its decision is broadcast to every rank. ``state_dict`` must hold
     everything needed to continue identically after a resume, as plain Python values.
+
+    Controllers with per-rank state may also implement, for jobs resumed on another group of machines:
+
+    * ``regroup(previous)``: the job now runs on a new group; ``previous[i]`` is the rank new rank ``i``
+      ran as before (the same machine), ``None`` for a machine new to the job. What was learnt about a
+      machine stays with it; a new one starts from the mean of the others; the next decision is made
+      from the first interval measured on the new group.
+    * ``rank_speeds()``: each rank's speed as far as known (samples/s, any common scale), or ``None``:
+      how a resumed job splits its global batch before anything is measured.
     """
 
     def decide(self, state: ClusterState) -> Decision: ...
@@ -52,3 +62,28 @@ class BatchController(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def regroup_values(values: Sequence[float], previous: Sequence[int | None]) -> list[float]:
+    """Per-rank ``values`` of the old group, for the ranks of a new one.
+
+    ``previous[i]`` is the old rank that new rank ``i`` ran as (the same machine), or ``None`` for a
+    machine new to the job, which gets the mean of the machines that stayed (of all old ranks when
+    none stayed).
+    """
+    kept = [values[p] for p in previous if p is not None and 0 <= p < len(values)]
+    pool = kept or list(values)
+    mean = sum(pool) / len(pool) if pool else float("nan")
+    return [values[p] if p is not None and 0 <= p < len(values) else mean for p in previous]
+
+
+def validate_previous(previous: Sequence[int | None], old_world_size: int) -> list[int | None]:
+    """Check a regroup mapping: one entry per new rank, each an old rank or ``None``, no old rank twice."""
+    mapping = list(previous)
+    taken = [p for p in mapping if p is not None]
+    if not mapping or len(set(taken)) != len(taken) or any(not 0 <= p < old_world_size for p in taken):
+        raise ValueError(
+            f"`previous` must give every new rank its old rank in [0, {old_world_size - 1}] (each at most once) or"
+            f" None for a new machine, got {mapping!r}"
+        )
+    return mapping

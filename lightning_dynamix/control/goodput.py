@@ -51,7 +51,7 @@ from lightning_dynamix.control.allocation import (
     validate_bound,
     validate_bound_pair,
 )
-from lightning_dynamix.control.base import Decision
+from lightning_dynamix.control.base import Decision, validate_previous
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
@@ -231,7 +231,7 @@ class GoodputController:
         return self._decision(best, noise)
 
     def _observe(self, sizes: Sequence[int], times: Sequence[float]) -> None:
-        if len(self._observations) != len(sizes):
+        if len(self._observations) != len(sizes):  # another group without regroup(): nothing carries over
             self._observations = [[] for _ in sizes]
         for obs, b, t in zip(self._observations, sizes, times):
             if obs:
@@ -265,6 +265,28 @@ class GoodputController:
     def _decision(self, sizes: Sequence[int], noise: float) -> Decision:
         base = self._base_global_batch or sum(sizes)
         return Decision(batch_sizes=tuple(sizes), lr_scale=lr_scale(self.lr_scaling, sum(sizes), base, noise))
+
+    def regroup(self, previous: Sequence[int | None]) -> None:
+        """The job now runs on another group: ``previous[i]`` is new rank ``i``'s old rank, ``None`` for a new machine.
+
+        A machine that stays keeps its observed step times (its model of the step); a new one starts
+        with none, and is fitted from its first interval on the new group, which the next decision waits for.
+        """
+        if not self._observations:
+            return
+        mapping = validate_previous(previous, len(self._observations))
+        self._observations = [list(self._observations[p]) if p is not None else [] for p in mapping]
+
+    def rank_speeds(self) -> list[float] | None:
+        """Every rank's speed at its last observed size, samples/s (a new machine: the others' mean), or ``None``."""
+        if not self._observations or not any(self._observations):
+            return None
+        known = [obs[-1][0] / obs[-1][1] if obs and obs[-1][1] > 0 else math.nan for obs in self._observations]
+        finite = [s for s in known if math.isfinite(s)]
+        if not finite:
+            return None
+        mean = sum(finite) / len(finite)
+        return [s if math.isfinite(s) else mean for s in known]
 
     def state_dict(self) -> dict[str, Any]:
         """The base global batch (samples) and every rank's recent ``[batch size, busy time]`` observations."""

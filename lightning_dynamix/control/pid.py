@@ -76,7 +76,7 @@ from lightning_dynamix.control.allocation import (
     validate_bound,
     validate_bound_pair,
 )
-from lightning_dynamix.control.base import Decision
+from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
@@ -317,6 +317,27 @@ class PIDController:
         base = self._base_global_batch or sum(sizes)
         scale = lr_scale(self.lr_scaling, sum(sizes), base, state.gradient_noise_scale)
         return Decision(batch_sizes=tuple(sizes), lr_scale=scale)
+
+    def regroup(self, previous: Sequence[int | None]) -> None:
+        """The job now runs on another group: ``previous[i]`` is new rank ``i``'s old rank, ``None`` for a new machine.
+
+        A machine that stays keeps its smoothed speed, a new one starts from the mean of theirs; the
+        integral, the last error and the secant's evidence belong to the old split and are dropped,
+        and the next measured speeds replace the averages (the sizes differ), so the next decision is
+        made from the first interval measured on the new group.
+        """
+        if self._speeds is None:
+            return
+        mapping = validate_previous(previous, len(self._speeds))
+        self._speeds = regroup_values(self._speeds, mapping)
+        self._speed_sizes = [0] * len(mapping)  # no real size: the next measurement replaces every average
+        self._integral = [0.0] * len(mapping)
+        self._previous_error = None
+        self._last_step = None
+
+    def rank_speeds(self) -> list[float] | None:
+        """Every rank's smoothed own speed, samples/s; ``None`` before the first measurement."""
+        return None if self._speeds is None else list(self._speeds)
 
     def state_dict(self) -> dict[str, Any]:
         """Smoothed speeds (samples/s), integral and last error (shares), base global batch (samples)."""

@@ -17,6 +17,7 @@ was trained for, or an observation that is not finite, keeps the current sizes (
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,17 @@ class PPOController:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message + " (shown once)", *args)
+
+    def regroup(self, previous: Sequence[int | None]) -> None:
+        """The job now runs on another group (see :meth:`PIDController.regroup`): the balancer keeps the
+        speeds of the machines that stay; a fine-tuning transition begun on the old group is dropped."""
+        self.balancer.regroup(previous)
+        if self.finetuner is not None:
+            self.finetuner.regroup()
+
+    def rank_speeds(self) -> list[float] | None:
+        """The balancer's smoothed speed of every rank, samples/s; ``None`` before the first measurement."""
+        return self.balancer.rank_speeds()
 
     def state_dict(self) -> dict[str, Any]:
         state = {

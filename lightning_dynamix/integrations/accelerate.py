@@ -62,7 +62,7 @@ from lightning_dynamix.distributed import (
     weighted_allreduce_hook,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
-from lightning_dynamix.elastic import ResumeWeights, resume_sampler
+from lightning_dynamix.elastic import ResumeWeights, gather_machine_ids, resume_sampler
 from lightning_dynamix.loop import (
     DecisionMaker,
     IntervalMeter,
@@ -255,6 +255,7 @@ class DynamixAccelerate:
         self.resume_weights: ResumeWeights | None = None
         """Relative speeds of the processes when a state saved by another number of processes is loaded;
         ``None`` splits the global batch evenly (with a controller, its knowledge of the machines is used)."""
+        self._machine_ids: list[str] | None = None
         if controller is not None:
             built, name = build_controller(
                 controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling, finetune
@@ -264,6 +265,7 @@ class DynamixAccelerate:
                 gradient_noise_scale = wants_noise_scale(built, name, self.lr_scaling)
             self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
             self.maker = DecisionMaker(built, name, self.lr_scaling, "DynamixAccelerate")
+            self.resume_weights = self.maker.resume_weights
         elif controller_kwargs or finetune:
             raise ValueError(
                 f"`controller_kwargs` {controller_kwargs!r} or finetune={finetune!r} given without a `controller`"
@@ -318,6 +320,9 @@ class DynamixAccelerate:
                 self.optimizers.append(obj)
         if train_index is not None:
             prepared.insert(train_index, loader)
+            if self.maker is not None:  # which machine every process is (a collective, like prepare itself)
+                self._machine_ids = gather_machine_ids(self.accelerator.local_process_index)
+                self.maker.join(self._machine_ids)
             self._start_measuring()
             self.accelerator.register_for_checkpointing(self)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
@@ -484,9 +489,12 @@ class DynamixAccelerate:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (``accelerator.load_state`` calls it)."""
         self.global_step = int(state_dict["global_step"])
+        # the controller first: on another group of machines, its knowledge of them splits the global batch
+        if state_dict.get("maker") is not None and self.maker is not None:
+            self.maker.load_state_dict(state_dict["maker"])
+            if self._machine_ids is not None:
+                self.maker.join(self._machine_ids)
         if state_dict.get("loader") is not None and self.train_loader is not None:
             self.train_loader.load_state_dict(state_dict["loader"])
         if state_dict.get("meter") is not None and self.meter is not None:
             self.meter.load_state_dict(state_dict["meter"])
-        if state_dict.get("maker") is not None and self.maker is not None:
-            self.maker.load_state_dict(state_dict["maker"])

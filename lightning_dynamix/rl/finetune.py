@@ -170,6 +170,10 @@ class OnlineFinetuner:
         self.network.eval()
         self.updates += 1
 
+    def regroup(self) -> None:
+        """The job now runs on another group: the transition begun on the old one has no reward to come."""
+        self._pending, self._previous_sizes, self._previous_change = None, None, None
+
     def state_dict(self) -> dict[str, Any]:
         """The network's weights and the optimizer's state (a rollout in progress starts over on resume)."""
         return {

@@ -30,6 +30,7 @@ def runs(tmp_path_factory):
     def load(config, name, world):
         return [torch.load(out / f"{config}-{name}-w{world}-rank{r}.pt") for r in range(world)]
 
+    load.out = out
     return load
 
 
@@ -70,3 +71,26 @@ def test_without_a_controller_the_resumed_global_batch_is_split_evenly(runs, sav
     after = runs("sgd-workers0", f"mid2-from{saved}", resumed)
     first_sizes = [len(rank["steps"][0][2]) for rank in after]
     assert max(first_sizes) - min(first_sizes) <= 1
+
+
+@pytest.mark.parametrize(("saved", "resumed"), DIRECTIONS, ids=["3-to-2", "2-to-3"])
+def test_the_controller_keeps_what_it_learnt_about_the_machines_that_stay(runs, saved, resumed, tmp_path):
+    before = torch.load(runs.out / f"pid-mid1-w{saved}.pt")
+    after = torch.load(runs.out / f"pid-mid2-from{saved}-w{resumed}.pt")
+    saved_ids, saved_speeds = before["end"]["machine_ids"], before["end"]["controller"]["speeds"]
+    start = after["start"]
+    assert len(saved_ids) == saved
+    assert start["machine_ids"][: min(saved, resumed)] == saved_ids[: min(saved, resumed)]
+    # the surviving machines keep their speeds; a new machine starts from their mean
+    expected_from = [r if r < saved else None for r in range(resumed)]
+    assert start["regrouped_from"] == expected_from
+    survivors = [saved_speeds[r] for r in range(min(saved, resumed))]
+    expected = [saved_speeds[r] if r < saved else sum(survivors) / len(survivors) for r in range(resumed)]
+    assert start["speeds"] == pytest.approx(expected)
+    # the resumed split follows those speeds: the machine emulated 4x slower (rank 0) gets the fewest samples
+    sizes = start["batch_sizes"]
+    assert sum(sizes) == 4 * saved  # the saved job's global batch (4 per rank, kept by PID)
+    assert sizes[0] == min(sizes)
+    assert sizes[0] < max(sizes) - 1
+    # and the job went on deciding on the new group
+    assert after["end"]["machine_ids"] == start["machine_ids"]

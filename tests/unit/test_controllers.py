@@ -442,3 +442,64 @@ def test_a_restored_controller_makes_the_same_next_decision(build):
     restored = build()
     restored.load_state_dict(saved)
     assert restored.decide(states[-1]) == original.decide(states[-1])
+
+
+# ---------------------------------------------------------------- a job resumed on another group of machines
+
+
+def test_pid_regroup_keeps_the_speeds_of_machines_that_stay_and_gives_a_new_one_their_mean():
+    pid = PIDController(smoothing=0.0)
+    pid.decide(make_state([10, 10, 10], [1.0, 0.5, 0.25]))  # speeds 10, 20, 40 samples/s
+    pid.regroup([2, 0])  # 3 -> 2: the machines of old ranks 2 and 0 stay, as new ranks 0 and 1
+    assert pid.rank_speeds() == pytest.approx([40.0, 10.0])
+    pid.regroup([1, None, 0])  # 2 -> 3: a machine joins as new rank 1
+    assert pid.rank_speeds() == pytest.approx([10.0, 25.0, 40.0])
+    with pytest.raises(ValueError, match="previous"):
+        pid.regroup([0, 0, 1])
+
+
+def test_pid_decides_after_a_regroup_from_the_first_interval_measured_on_the_new_group():
+    pid = PIDController(smoothing=0.9, dead_band=0.0)
+    for _ in range(3):
+        pid.decide(make_state([10, 10, 10], [1.0, 0.5, 0.25]))
+    pid.regroup([1, 0])
+    # on the new group both machines now run at 20 samples/s: the split follows what was measured, not
+    # the kept averages (which would move samples to the machine that used to be slow)
+    decision = pid.decide(make_state([15, 15], [0.75, 0.75]))
+    assert decision.batch_sizes == (15, 15)
+
+
+def test_goodput_regroup_keeps_each_machines_observations():
+    goodput = GoodputController()
+    goodput.decide(make_state([10, 20], [1.0, 1.0]))
+    goodput.regroup([None, 1, 0])
+    speeds = goodput.rank_speeds()
+    assert speeds == pytest.approx([15.0, 20.0, 10.0])
+
+
+def test_ppo_regroup_carries_its_balancer_over():
+    from lightning_dynamix.control import PPOController
+
+    ppo = PPOController()
+    state = make_state([10, 10], [1.0, 0.5], noise_scale=100.0)
+    ppo.balancer.decide(state)
+    ppo.regroup([1, None, 0])
+    assert ppo.rank_speeds() == pytest.approx([20.0, 15.0, 10.0])
+
+
+def test_decision_maker_maps_the_controller_state_by_machine_id():
+    from lightning_dynamix.loop import DecisionMaker
+
+    saved = DecisionMaker(PIDController(smoothing=0.0), "pid", "none", "test")
+    saved.join(["a", "b", "c"])
+    saved.controller.decide(make_state([10, 10, 10], [1.0, 0.5, 0.25]))
+    resumed = DecisionMaker(PIDController(), "pid", "none", "test")
+    resumed.join(["c", "a"])  # before the checkpoint is loaded: the ids of this group
+    resumed.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    resumed.join(["c", "a"])
+    assert resumed.regrouped_from == [2, 0]
+    assert resumed.resume_weights() == pytest.approx([40.0, 10.0])
+    unchanged = DecisionMaker(PIDController(), "pid", "none", "test")
+    unchanged.load_state_dict(saved.state_dict())
+    unchanged.join(["a", "b", "c"])
+    assert unchanged.regrouped_from is None

@@ -21,11 +21,49 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynamix import HeterogeneousDDPStrategy
+from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 
 world, out = int(sys.argv[1]), Path(sys.argv[2])
 resume_from = int(sys.argv[3]) if len(sys.argv) > 3 else None
 CONFIGS = {"sgd-workers0": ("sgd", 0), "adam-workers2": ("adam", 2)}
 MID_STEP = 5
+
+
+class ControllerProbe(Callback):
+    """Records, as training starts (after a resume), what DynamixCallback carried over to this group."""
+
+    def __init__(self, dynamix: DynamixCallback) -> None:
+        self.dynamix = dynamix
+        self.seen: dict = {}
+
+    def on_train_start(self, trainer, pl_module):
+        maker = self.dynamix.maker
+        self.seen = {
+            "machine_ids": maker.machine_ids,
+            "regrouped_from": maker.regrouped_from,
+            "speeds": maker.controller.rank_speeds(),
+            "batch_sizes": list(trainer.strategy.batch_sizes),
+        }
+
+
+def fit_controlled(name, ckpt_path=None, **trainer_kwargs):
+    """A PID-controlled job whose rank 0 is emulated 4x slower: its controller must survive the change."""
+    dynamix = DynamixCallback("pid", interval=2, warmup_steps=1, controller_kwargs={"smoothing": 0.0})
+    probe = ControllerProbe(dynamix)
+    trainer = quiet_trainer(
+        devices=world,
+        strategy=HeterogeneousDDPStrategy(seed=5, timeout=timedelta(seconds=90)),
+        callbacks=[
+            HeterogeneityEmulator([4.0] + [1.0] * (world - 1)),
+            dynamix,
+            probe,
+            *trainer_kwargs.pop("callbacks", []),
+        ],
+        **trainer_kwargs,
+    )
+    trainer.fit(Net(optimizer="sgd"), ckpt_path=ckpt_path)
+    if trainer.global_rank == 0:
+        torch.save({"start": probe.seen, "end": dynamix.maker.state_dict()}, out / f"pid-{name}-w{world}.pt")
 
 
 class TotalResizer(Callback):
@@ -53,6 +91,14 @@ def fit(config, name, ckpt_path=None, **trainer_kwargs):
         out / f"{config}-{name}-w{world}-rank{trainer.global_rank}.pt",
     )
 
+
+if resume_from is not None:
+    fit_controlled(
+        f"mid2-from{resume_from}", ckpt_path=out / f"pid-mid-w{resume_from}.ckpt", max_steps=MID_STEP + 4, callbacks=[]
+    )
+if resume_from is None or world < resume_from:
+    mid = ModelCheckpoint(dirpath=out, filename=f"pid-mid-w{world}", every_n_train_steps=MID_STEP)
+    fit_controlled("mid1", max_steps=MID_STEP, callbacks=[mid], enable_checkpointing=True)
 
 for config in CONFIGS:
     if resume_from is not None:
