@@ -4,7 +4,12 @@ Importing the package registers its Lightning strategies, so ``Trainer(strategy=
 and ``Trainer(strategy="layer_offload")`` work.
 """
 
-from lightning_dynamix.callbacks import ClusterMetricsMonitor, DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.callbacks import (
+    ClusterMetricsMonitor,
+    DynamixCallback,
+    HeterogeneityEmulator,
+    PreemptionCheckpoint,
+)
 from lightning_dynamix.control import (
     BatchController,
     Decision,
@@ -34,6 +39,7 @@ __all__ = [
     "HeterogeneousDataLoader",
     "LayerOffloadStrategy",
     "PIDController",
+    "PreemptionCheckpoint",
     "StaticController",
     "SyncWindowWeighting",
     "WeightedAllReduceState",

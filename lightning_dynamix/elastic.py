@@ -9,16 +9,21 @@ use these pieces to resume it:
   else host and local rank), so that controllers keep what they learnt about the machines that stay;
 * :func:`split_global_batch` and :func:`resume_sampler` resume a saved position in the data on
   another number of ranks: the rest of the epoch keeps its global batches, split over the new ranks
-  by what the controller knows of them (evenly where it knows nothing), within the size bounds.
+  by what the controller knows of them (evenly where it knows nothing), within the size bounds;
+* :class:`PreemptionNotice` turns a SIGTERM on any one rank into one agreed step at which every rank
+  saves the same checkpoint and exits with :data:`PREEMPTED_EXIT_CODE`, for the launcher to restart.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_dynamix.control.allocation import split_in_proportion
@@ -129,3 +134,58 @@ def resume_sampler(
     )
     if explicit is not None:
         sampler.set_batch_sizes(explicit, from_step=sampler.next_step)
+
+
+PREEMPTED_EXIT_CODE = 143
+"""What a process exits with after its preemption checkpoint (128 + SIGTERM, as if the signal had ended it):
+non-zero, so torch elastic restarts the group and a SLURM requeue sees the job as not finished."""
+
+
+class PreemptionNotice:
+    """A preemption notice (SIGTERM, a spot instance's warning) received by any rank, agreed by all at a step boundary.
+
+    The signal handler only records the notice: no collective, no I/O, nothing that could deadlock
+    inside a handler. Every rank then calls :meth:`agreed` at the same step boundary; one all-reduce
+    tells all of them whether any rank got a notice, so that they all save the same step and stop.
+    A notice is acted on within ``check_interval`` steps of its arrival (plus the checkpoint's write).
+
+    Args:
+        signals: the signals taken as a notice (default SIGTERM).
+    """
+
+    def __init__(self, signals: Sequence[signal.Signals] = (signal.SIGTERM,)) -> None:
+        if not signals:
+            raise ValueError("`signals` must name at least one signal, e.g. (signal.SIGTERM,)")
+        self.signals = tuple(signals)
+        self.received_at: float | None = None
+        """``time.monotonic()`` when this process received its first notice, else ``None``."""
+        self._previous: dict[signal.Signals, Any] = {}
+
+    @property
+    def received(self) -> bool:
+        """Whether this process received a notice."""
+        return self.received_at is not None
+
+    def install(self) -> None:
+        """Take the notice signals over (from the main thread), remembering the handlers they had."""
+        for signum in self.signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.getsignal(signum)
+                signal.signal(signum, self._handle)
+
+    def uninstall(self) -> None:
+        """Give the signals their previous handlers back."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received_at is None:
+            self.received_at = time.monotonic()
+
+    def agreed(self, device: torch.device | None = None) -> bool:
+        """Whether any rank received a notice: a collective (one all-reduce), call it on every rank at the same step."""
+        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item() > 0)

@@ -1,7 +1,15 @@
-"""Lightning callbacks: the decision loop, a measurement-only monitor, and a heterogeneity emulator."""
+"""Lightning callbacks: the decision loop, a measurement-only monitor, an emulator, preemption checkpoints."""
 
 from lightning_dynamix.callbacks.dynamix import DynamixCallback
 from lightning_dynamix.callbacks.emulator import HeterogeneityEmulator
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor, IntervalRecord
+from lightning_dynamix.callbacks.preemption import Preempted, PreemptionCheckpoint
 
-__all__ = ["ClusterMetricsMonitor", "DynamixCallback", "HeterogeneityEmulator", "IntervalRecord"]
+__all__ = [
+    "ClusterMetricsMonitor",
+    "DynamixCallback",
+    "HeterogeneityEmulator",
+    "IntervalRecord",
+    "Preempted",
+    "PreemptionCheckpoint",
+]

@@ -1,0 +1,137 @@
+"""Save one consistent checkpoint when any rank gets a preemption notice (SIGTERM), then stop for a restart.
+
+Spot and preemptible machines get a SIGTERM shortly before they are taken back. With
+:class:`PreemptionCheckpoint` among a ``Trainer``'s callbacks, a SIGTERM delivered to any one rank
+makes every rank agree, at the next step boundary, to save one checkpoint of that step
+(``<dirpath>/last-preempted.ckpt``) and to exit with
+:data:`~lightning_dynamix.elastic.PREEMPTED_EXIT_CODE`, so that the launcher (torch elastic, a SLURM
+requeue) restarts the job; ``trainer.fit(model, ckpt_path="last")`` resumes it there, on the same
+or another number of ranks.
+
+It replaces Lightning's own SIGTERM handling while training: Lightning's handler broadcasts from
+inside the signal handler and only acts on a notice that reaches rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+from lightning_dynamix._checks import require_int
+from lightning_dynamix.elastic import PREEMPTED_EXIT_CODE, PreemptionNotice
+
+log = logging.getLogger(__name__)
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint is saved: the process exits with its code."""
+
+    def __init__(self, step: int, path: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"preempted: saved {self.path} at step {self.step}; exiting with {PREEMPTED_EXIT_CODE} for a restart"
+
+
+class PreemptionCheckpoint(ModelCheckpoint):
+    """On a SIGTERM to any rank, every rank saves the same step's checkpoint and the job exits for a restart.
+
+    A ``ModelCheckpoint`` that saves nothing on its own (periodic checkpoints stay the choice of
+    your other callbacks), so that ``trainer.fit(..., ckpt_path="last")`` finds its checkpoint.
+
+    Args:
+        dirpath: directory of the checkpoint; keep it the same across restarts (the default,
+            ``<default_root_dir>/checkpoints``, is; a logger's versioned directory is not).
+        check_interval: training batches between two checks (>= 1). Each check is one
+            all-reduce of one number on every rank; a notice is acted on within this many batches.
+        filename: the checkpoint's name without extension; it must contain ``"last"`` for
+            ``ckpt_path="last"`` to find it.
+
+    Raises:
+        ValueError: for a ``check_interval`` below 1 or a ``filename`` without ``"last"``.
+    """
+
+    def __init__(self, dirpath: str | os.PathLike | None = None, check_interval: int = 1, filename: str = "") -> None:
+        filename = filename or f"{self.CHECKPOINT_NAME_LAST}-preempted"
+        if self.CHECKPOINT_NAME_LAST not in filename:
+            raise ValueError(
+                f"`filename` must contain {self.CHECKPOINT_NAME_LAST!r} so that ckpt_path='last' finds it,"
+                f" got {filename!r}"
+            )
+        super().__init__(dirpath=dirpath, filename=filename, save_top_k=0, save_last=False)
+        self.check_interval = require_int("check_interval", check_interval, 1)
+        self.notice = PreemptionNotice()
+        self._batches = 0
+        self.saved_step: int | None = None
+        """The global step saved at the last preemption of this process, else ``None``."""
+        self.seconds_to_save: float | None = None
+        """Seconds from this process's notice (or from the agreement, on a rank without one) to the checkpoint saved."""
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return f"PreemptionCheckpoint{{dirpath={self.dirpath!r}}}"
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.dirpath is None:  # stable across restarts, unlike a logger's version directory
+            self.dirpath = os.path.join(trainer.default_root_dir, "checkpoints")
+        super().setup(trainer, pl_module, stage)
+
+    @property
+    def checkpoint_path(self) -> str:
+        """Where the preemption checkpoint is written."""
+        assert self.dirpath is not None, "PreemptionCheckpoint.setup() has not run"
+        return os.path.join(str(self.dirpath), self.filename + self.FILE_EXTENSION)
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # after Lightning registered its handlers: while training, a notice is only recorded
+        self.notice.install()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches += 1
+        if self._batches % self.check_interval:
+            return
+        agreed_at = time.monotonic()
+        if not self.notice.agreed(trainer.strategy.root_device):
+            return
+        path = self.checkpoint_path
+        trainer.save_checkpoint(path)  # every rank: rank 0 writes, then all wait for it
+        started = self.notice.received_at if self.notice.received_at is not None else agreed_at
+        self.saved_step, self.seconds_to_save = trainer.global_step, time.monotonic() - started
+        log.warning(
+            "rank %d: preemption notice%s; saved %s at step %d, %.2f s after it; exiting with %d for a restart",
+            trainer.global_rank,
+            " received" if self.notice.received else " received by another rank",
+            path,
+            trainer.global_step,
+            self.seconds_to_save,
+            PREEMPTED_EXIT_CODE,
+        )
+        raise Preempted(trainer.global_step, path)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.notice.uninstall()
+        super().teardown(trainer, pl_module, stage)
+
+    # the periodic saving of ModelCheckpoint is off: save_top_k=0 and no last checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"dirpath": self.dirpath}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass  # nothing to restore: the notice belongs to the run that received it
