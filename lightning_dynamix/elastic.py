@@ -141,6 +141,18 @@ PREEMPTED_EXIT_CODE = 143
 non-zero, so torch elastic restarts the group and a SLURM requeue sees the job as not finished."""
 
 
+class Preempted(SystemExit):
+    """Raised on every rank once the preemption checkpoint is saved: the process exits with ``PREEMPTED_EXIT_CODE``."""
+
+    def __init__(self, step: int, path: str) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step = step
+        self.path = path
+
+    def __str__(self) -> str:
+        return f"preempted: saved {self.path} at step {self.step}; exiting with {PREEMPTED_EXIT_CODE} for a restart"
+
+
 class PreemptionNotice:
     """A preemption notice (SIGTERM, a spot instance's warning) received by any rank, agreed by all at a step boundary.
 

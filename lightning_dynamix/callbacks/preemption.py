@@ -24,21 +24,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int
-from lightning_dynamix.elastic import PREEMPTED_EXIT_CODE, PreemptionNotice
+from lightning_dynamix.elastic import PREEMPTED_EXIT_CODE, Preempted, PreemptionNotice
 
 log = logging.getLogger(__name__)
-
-
-class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint is saved: the process exits with its code."""
-
-    def __init__(self, step: int, path: str) -> None:
-        super().__init__(PREEMPTED_EXIT_CODE)
-        self.step = step
-        self.path = path
-
-    def __str__(self) -> str:
-        return f"preempted: saved {self.path} at step {self.step}; exiting with {PREEMPTED_EXIT_CODE} for a restart"
 
 
 class PreemptionCheckpoint(ModelCheckpoint):

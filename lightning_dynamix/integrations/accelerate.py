@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -62,7 +63,7 @@ from lightning_dynamix.distributed import (
     weighted_allreduce_hook,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
-from lightning_dynamix.elastic import ResumeWeights, gather_machine_ids, resume_sampler
+from lightning_dynamix.elastic import Preempted, PreemptionNotice, ResumeWeights, gather_machine_ids, resume_sampler
 from lightning_dynamix.loop import (
     DecisionMaker,
     IntervalMeter,
@@ -173,6 +174,14 @@ class DynamixAccelerate:
         log_per_rank: log each rank's batch size, times and throughput to the trackers.
         finetune: with ``controller="ppo"``, keep training the policy on this job's own decisions
             (PPO updates on the main process); the updated policy is saved by ``save_state``.
+        save_on_preemption: a directory: when any process gets a SIGTERM (a spot notice), every
+            process agrees at the next optimizer step (:meth:`step`), ``accelerator.save_state``
+            writes that step there, and every process raises
+            :class:`~lightning_dynamix.elastic.Preempted` (exit code 143) for the launcher to
+            restart the job, which resumes with ``accelerator.load_state(directory)`` on the same
+            or another number of processes. ``None`` (default): SIGTERM is left alone.
+        preemption_check_interval: optimizer steps between two checks for a notice (one all-reduce
+            of one number each).
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
@@ -200,6 +209,8 @@ class DynamixAccelerate:
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
         finetune: bool = False,
+        save_on_preemption: str | os.PathLike | None = None,
+        preemption_check_interval: int = 1,
     ) -> None:
         from accelerate import Accelerator
 
@@ -256,6 +267,11 @@ class DynamixAccelerate:
         """Relative speeds of the processes when a state saved by another number of processes is loaded;
         ``None`` splits the global batch evenly (with a controller, its knowledge of the machines is used)."""
         self._machine_ids: list[str] | None = None
+        self.save_on_preemption = None if save_on_preemption is None else os.fspath(save_on_preemption)
+        self.preemption_check_interval = require_int("preemption_check_interval", preemption_check_interval, 1)
+        self.preemption = PreemptionNotice() if self.save_on_preemption is not None else None
+        self.seconds_to_save: float | None = None
+        """After a preemption: seconds from this process's notice (or the agreement) to the state saved."""
         if controller is not None:
             built, name = build_controller(
                 controller, controller_kwargs, min_batch_size, max_batch_size, lr_scaling, finetune
@@ -318,6 +334,8 @@ class DynamixAccelerate:
                 self.model = obj
             elif hasattr(obj, "param_groups"):
                 self.optimizers.append(obj)
+        if self.preemption is not None:
+            self.preemption.install()
         if train_index is not None:
             prepared.insert(train_index, loader)
             if self.maker is not None:  # which machine every process is (a collective, like prepare itself)
@@ -425,6 +443,7 @@ class DynamixAccelerate:
         """
         if self.accelerator.sync_gradients:
             self.global_step += 1
+            self._check_preemption()
         if self.meter is None or self.maker is None:
             return None
         if self.train_loader is None:
@@ -455,6 +474,22 @@ class DynamixAccelerate:
         self.accelerator.log(interval_metrics(record, self.log_per_rank), step=self.global_step)
         self.meter.start_interval()
         return decision
+
+    def _check_preemption(self) -> None:
+        """Every few optimizer steps, agree whether any process got a notice; if so save this step and exit."""
+        notice = self.preemption
+        if notice is None or self.global_step % self.preemption_check_interval:
+            return
+        agreed_at = time.monotonic()
+        if not notice.agreed(self.accelerator.device):
+            return
+        assert self.save_on_preemption is not None
+        self.accelerator.save_state(self.save_on_preemption)  # every process: each writes its part
+        self.accelerator.wait_for_everyone()
+        started = notice.received_at if notice.received_at is not None else agreed_at
+        self.seconds_to_save = time.monotonic() - started
+        notice.uninstall()
+        raise Preempted(self.global_step, self.save_on_preemption)
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> int:
         """Use ``batch_sizes`` from the first step no rank has produced yet; call it on every rank with the same sizes.

@@ -6,10 +6,14 @@ For SGD without DataLoader workers and Adam with 2 workers, each with a fresh Ac
 RESUME_FROM_W, first ``load_state`` the states that launch saved and train to the end of epoch 1
 ("resume-mid", "resume-end"); then, unless this launch is the last one, train straight through
 ("full"), and stop after a ``save_state`` at optimizer step 5 ("mid") and at the end of epoch 0
-("end"). Sizes change at planned steps by global batch, split over this launch's processes.
+("end"); the first 3-process launch ends with "preempt" (process 2 sends itself SIGTERM after
+optimizer step 6; every process saves the state and exits with 143), which the 2-process launch
+resumes. Sizes change at planned steps by global batch, split over this launch's processes.
 Every process saves the batches it trained on and the final parameters.
 """
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -20,19 +24,22 @@ from common import REGROUP_PLAN as PLAN
 from common import IndexedDataset, make_network, make_optimizer, uneven
 from torch.utils.data import DataLoader
 
+from lightning_dynamix.elastic import Preempted
 from lightning_dynamix.integrations.accelerate import DynamixAccelerate
 
 out = Path(sys.argv[1])
 resume_from = int(sys.argv[2]) if len(sys.argv) > 2 else None
 CONFIGS = {"sgd-workers0": ("sgd", 0), "adam-workers2": ("adam", 2)}
 MID_STEP = 5
+PREEMPT_AFTER = 6
 
 
 def train(config: str, run: str, state_dir: Path | None = None) -> None:
     optimizer_name, workers = CONFIGS[config]
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world = accelerator.num_processes
-    dynamix = DynamixAccelerate(accelerator, seed=5)
+    preempt = out / f"{config}-preempt-w{world}" if run == "preempt" else None
+    dynamix = DynamixAccelerate(accelerator, seed=5, save_on_preemption=preempt)
     network = make_network(0)
     optimizer = make_optimizer(optimizer_name, network.parameters())
     loader = DataLoader(IndexedDataset(150), batch_size=4, num_workers=workers)
@@ -48,7 +55,14 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
             dynamix.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            dynamix.step(loss)
+            try:
+                dynamix.step(loss)
+            except Preempted as preempted:
+                steps.append(("preempted", preempted.step, dynamix.seconds_to_save))
+                torch.save({"steps": steps}, out / f"{config}-{run}-w{world}-rank{accelerator.process_index}.pt")
+                raise
+            if run == "preempt" and accelerator.process_index == 2 and dynamix.global_step == PREEMPT_AFTER:
+                os.kill(os.getpid(), signal.SIGTERM)  # the spot notice, to one process only
             total = PLAN.get((epoch, step)) or (PLAN.get((epoch, -1)) if step == len(loader) - 1 else None)
             if total is not None:
                 dynamix.set_batch_sizes(uneven(total, world))
@@ -63,7 +77,7 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
     accelerator.wait_for_everyone()
 
 
-world_size = int(__import__("os").environ["WORLD_SIZE"])
+world_size = int(os.environ["WORLD_SIZE"])
 for config in CONFIGS:
     if resume_from is not None:
         for run in ("mid", "end"):
@@ -71,4 +85,8 @@ for config in CONFIGS:
     if resume_from is None or world_size < resume_from:
         for run in ("full", "mid", "end"):
             train(config, run)
+if resume_from == 3:  # the state saved on a SIGTERM to one of 3 processes
+    train("sgd-workers0", "resume-preempt-from3", out / "sgd-workers0-preempt-w3")
+if world_size == 3 and resume_from is None:  # last: it ends this launch with the preemption exit code
+    train("sgd-workers0", "preempt")
 Accelerator(cpu=not torch.cuda.is_available()).end_training()
