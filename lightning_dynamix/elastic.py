@@ -82,7 +82,7 @@ def split_global_batch(
 
     Raises:
         ValueError: naming the global batch, the ranks and the bounds, when no split within
-            ``[min_batch_size, max_batch_size]`` sums to ``total``.
+            ``[min_batch_size, max_batch_size]`` sums to ``total``; for ``weights`` of another length.
     """
     upper = "no limit" if max_batch_size is None else max_batch_size
     most = "any number of" if max_batch_size is None else world_size * max_batch_size
@@ -92,8 +92,10 @@ def split_global_batch(
             f" [min_batch_size, max_batch_size] = [{min_batch_size}, {upper}]: they hold"
             f" {world_size * min_batch_size} to {most} samples. Resume on another number of ranks, or widen the bounds."
         )
-    if weights is None or len(weights) != world_size:
+    if weights is None:
         weights = [1.0] * world_size
+    elif len(weights) != world_size:
+        raise ValueError(f"`weights` must hold one weight per rank ({world_size}), got {list(weights)!r}")
     lower = [min_batch_size] * world_size
     higher: list[int | None] = [max_batch_size] * world_size
     return split_in_proportion(total, weights, lower, higher)
@@ -157,9 +159,11 @@ class PreemptionNotice:
     """A preemption notice (SIGTERM, a spot instance's warning) received by any rank, agreed by all at a step boundary.
 
     The signal handler only records the notice: no collective, no I/O, nothing that could deadlock
-    inside a handler. Every rank then calls :meth:`agreed` at the same step boundary; one all-reduce
-    tells all of them whether any rank got a notice, so that they all save the same step and stop.
-    A notice is acted on within ``check_interval`` steps of its arrival (plus the checkpoint's write).
+    inside a handler. Every rank calls :meth:`poll` at the same step boundaries. Each poll starts a
+    non-blocking all-reduce (MAX) of this rank's flag and reads the one the previous poll started,
+    which finished in the background during the step in between: so the check costs no wait on the
+    training path, and every rank learns at the same poll whether any rank had a notice, then saves
+    the same step. A notice is acted on at the second poll after it arrives.
 
     Args:
         signals: the signals taken as a notice (default SIGTERM).
@@ -172,6 +176,7 @@ class PreemptionNotice:
         self.received_at: float | None = None
         """``time.monotonic()`` when this process received its first notice, else ``None``."""
         self._previous: dict[signal.Signals, Any] = {}
+        self._pending: tuple[torch.Tensor, Any] | None = None
 
     @property
     def received(self) -> bool:
@@ -186,18 +191,38 @@ class PreemptionNotice:
                 signal.signal(signum, self._handle)
 
     def uninstall(self) -> None:
-        """Give the signals their previous handlers back."""
+        """Give the signals their previous handlers back, and forget a poll still in flight."""
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
+        self._pending = None
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.received_at is None:
             self.received_at = time.monotonic()
 
-    def agreed(self, device: torch.device | None = None) -> bool:
-        """Whether any rank received a notice: a collective (one all-reduce), call it on every rank at the same step."""
-        flag = torch.tensor([1.0 if self.received else 0.0], device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+    def poll(self, device: torch.device | None = None) -> bool:
+        """Whether any rank had a notice at the previous poll: a collective, call it on every rank at the same step.
+
+        Returns False at the first poll. Once it returns True no new all-reduce is started.
+        """
+        agreed = False
+        if self._pending is not None:
+            flag, work = self._pending
+            if work is not None:
+                work.wait()
+            agreed = bool(flag.item() > 0)
+            self._pending = None
+        if not agreed:
+            flag = torch.tensor([1.0 if self.received else 0.0], device=device)
+            work = None
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+            self._pending = (flag, work)
+        return agreed
+
+    def finish(self) -> None:
+        """Wait for the poll in flight (every rank started it); call it on every rank when training ends."""
+        if self._pending is not None and self._pending[1] is not None:
+            self._pending[1].wait()
+        self._pending = None

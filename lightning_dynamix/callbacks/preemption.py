@@ -2,7 +2,7 @@
 
 Spot and preemptible machines get a SIGTERM shortly before they are taken back. With
 :class:`PreemptionCheckpoint` among a ``Trainer``'s callbacks, a SIGTERM delivered to any one rank
-makes every rank agree, at the next step boundary, to save one checkpoint of that step
+makes every rank agree, within two step boundaries, to save one checkpoint of the same step
 (``<dirpath>/last-preempted.ckpt``) and to exit with
 :data:`~lightning_dynamix.elastic.PREEMPTED_EXIT_CODE`, so that the launcher (torch elastic, a SLURM
 requeue) restarts the job; ``trainer.fit(model, ckpt_path="last")`` resumes it there, on the same
@@ -38,8 +38,9 @@ class PreemptionCheckpoint(ModelCheckpoint):
     Args:
         dirpath: directory of the checkpoint; keep it the same across restarts (the default,
             ``<default_root_dir>/checkpoints``, is; a logger's versioned directory is not).
-        check_interval: training batches between two checks (>= 1). Each check is one
-            all-reduce of one number on every rank; a notice is acted on within this many batches.
+        check_interval: training batches between two checks (>= 1). Each check starts one
+            non-blocking all-reduce of one number and reads the previous check's, so a notice is
+            acted on within ``2 * check_interval`` batches of its arrival (plus the checkpoint's write).
         filename: the checkpoint's name without extension; it must contain ``"last"`` for
             ``ckpt_path="last"`` to find it.
 
@@ -93,7 +94,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
         if self._batches % self.check_interval:
             return
         agreed_at = time.monotonic()
-        if not self.notice.agreed(trainer.strategy.root_device):
+        if not self.notice.poll(trainer.strategy.root_device):
             return
         path = self.checkpoint_path
         trainer.save_checkpoint(path)  # every rank: rank 0 writes, then all wait for it
@@ -109,6 +110,10 @@ class PreemptionCheckpoint(ModelCheckpoint):
             PREEMPTED_EXIT_CODE,
         )
         raise Preempted(trainer.global_step, path)
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.notice.finish()  # every rank started the last poll: let it complete before the group goes
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -10,6 +10,7 @@ import platform
 import random
 import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dynamix import DynamixCallback, WeightedAllReduceState, __version__, weighted_allreduce_hook
+from lightning_dynamix import (
+    DynamixCallback,
+    PreemptionCheckpoint,
+    WeightedAllReduceState,
+    __version__,
+    weighted_allreduce_hook,
+)
 from lightning_dynamix.cli.timing import StepTimer
 from lightning_dynamix.cli.workloads import DemoClassifier, make_mlp
 from lightning_dynamix.metrics import StepClock
@@ -56,6 +63,11 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="add DynamixCallback (pid, a decision every --interval steps) to the heterogeneous_ddp runs",
     )
     parser.add_argument("--interval", type=int, default=10, help="steps per decision with --with-callback")
+    parser.add_argument(
+        "--with-preemption",
+        action="store_true",
+        help="add PreemptionCheckpoint (a check for a notice every step: one all-reduce) to the heterogeneous_ddp runs",
+    )
 
 
 _PER_STEP_HOOKS = (
@@ -103,6 +115,23 @@ class CallbackCost:
         return ordinary + decision / interval
 
 
+class HookCost:
+    """Wall time of every call to one hook of a callback instance (its code unchanged), seconds."""
+
+    def __init__(self, callback: Any, name: str) -> None:
+        self.seconds: list[float] = []
+        hook = getattr(callback, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - start)
+
+        setattr(callback, name, timed)
+
+
 def step_clock_cost(steps: int = 20000, buckets: int = 2) -> float:
     """Seconds per step of the StepClock calls made outside the callback (loader, comm hook, backward)."""
     clock = StepClock()
@@ -126,7 +155,8 @@ def _median_step(strategy: object, args: argparse.Namespace, extra_callbacks: li
         max_steps=args.warmup + args.steps,
         logger=False,
         callbacks=[timer, *(extra_callbacks or [])],
-        enable_checkpointing=False,
+        # a PreemptionCheckpoint is a ModelCheckpoint, which Lightning refuses with checkpointing off
+        enable_checkpointing=any(isinstance(c, PreemptionCheckpoint) for c in extra_callbacks or []),
         enable_progress_bar=False,
         enable_model_summary=False,
     )
@@ -174,6 +204,7 @@ def run_overhead(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # one thread per process: two processes competing for each core blur the difference
     ratios, plain_steps, ours_steps = [], [], []
     costs: list[float] = []  # the callback's own seconds per step, rank 0, one per run with it
+    checks: list[float] = []  # PreemptionCheckpoint's seconds per step (its all-reduce), rank 0, one per run
     for round_index in range(args.rounds):
         order = ("ddp", "ours") if round_index % 2 == 0 else ("ours", "ddp")
         measured = {}
@@ -185,19 +216,28 @@ def run_overhead(args: argparse.Namespace) -> None:
             )
             callbacks: list[Any] = []
             cost = None
+            check = None
             if variant == "ours" and args.with_callback:
                 callbacks = [DynamixCallback("pid", interval=args.interval, warmup_steps=args.warmup)]
                 cost = CallbackCost(callbacks[0])
+            if variant == "ours" and args.with_preemption:
+                # nothing is written there unless a rank gets SIGTERM during the benchmark
+                preemption = PreemptionCheckpoint(dirpath=Path(tempfile.gettempdir()) / "dynamix-bench-preemption")
+                check = HookCost(preemption, "on_train_batch_end")
+                callbacks.append(preemption)
             measured[variant] = _median_step(strategy, args, callbacks)
             if cost is not None:
                 costs.append(cost.per_step(args.interval))
+            if check is not None:
+                checks.append(statistics.median(check.seconds[args.warmup :]))
         plain_steps.append(measured["ddp"])
         ours_steps.append(measured["ours"])
         ratios.append(measured["ours"] / measured["ddp"])
     if int(os.environ.get("LOCAL_RANK", "0")) != 0 or int(os.environ.get("NODE_RANK", "0")) != 0:
         return
     low, high = bootstrap_median_interval(ratios)
-    ours_name = "heterogeneous_ddp + DynamixCallback" if args.with_callback else "heterogeneous_ddp"
+    ours_name = "heterogeneous_ddp" + (" + DynamixCallback" if args.with_callback else "")
+    ours_name += " + PreemptionCheckpoint" if args.with_preemption else ""
     result = {
         "benchmark": "overhead",
         "variant": ours_name,
@@ -234,6 +274,14 @@ def run_overhead(args: argparse.Namespace) -> None:
             f"the callback's own work, measured inside the runs (rank 0): {1e3 * callback:.3f} ms per step in its"
             f" hooks (decisions included, spread over {args.interval} steps) + {1e3 * clock:.3f} ms of step-clock"
             f" calls = {100 * (callback + clock) / step:.2f}% of the median ddp step (goal <= 2%)"
+        )
+    if args.with_preemption:
+        check = statistics.median(checks)
+        result["preemption_check_ms_per_step"] = 1e3 * check
+        result["preemption_check_fraction_of_ddp_step"] = check / statistics.median(plain_steps)
+        print(
+            f"PreemptionCheckpoint's check for a notice, measured inside the runs (rank 0): {1e3 * check:.3f} ms per"
+            f" step = {100 * result['preemption_check_fraction_of_ddp_step']:.2f}% of the median ddp step"
         )
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))

@@ -223,19 +223,20 @@ class EpochSchedule:
         if not self.first_step <= from_step <= len(self):
             raise ValueError(f"`from_step` must lie in [{self.first_step}, {len(self)}], got {from_step}")
         cut = self.cut_world_size if cut_world_size is None else cut_world_size
-        first = bisect.bisect_right(self._starts, from_step) - 1 if from_step < len(self) else len(self._segments) - 1
+        first = bisect.bisect_right(self._starts, from_step) - 1  # the segment in force at from_step
         # at the epoch's end nothing is left: an empty remainder that ends there
         cursor = self.num_samples if from_step == len(self) else self._locate(from_step)[1]
-        rebuilt: list[tuple[int, BatchSizes, int]] = []
-        for i, seg in enumerate(self._segments[first:]):
+        schedule: EpochSchedule | None = None
+        for seg in self._segments[first:]:
             sizes = validate_batch_sizes(split(seg.total), argument="regrouped batch sizes")
             if sum(sizes) != seg.total:
                 raise ValueError(f"a regrouped split of {seg.total} samples must sum to it, got {list(sizes)}")
-            rebuilt.append((from_step if i == 0 else seg.start_step, sizes, cursor))
-        schedule = EpochSchedule(self.num_samples, rebuilt[0][1], drop_last=self.drop_last, cut_world_size=cut)
-        schedule._begin_at(from_step, cursor)
-        for start, sizes, _ in rebuilt[1:]:
-            schedule.change(start, sizes)
+            if schedule is None:
+                schedule = EpochSchedule(self.num_samples, sizes, drop_last=self.drop_last, cut_world_size=cut)
+                schedule._begin_at(from_step, cursor)
+            else:
+                schedule.change(seg.start_step, sizes)
+        assert schedule is not None  # a schedule always has a segment in force
         left = self.num_samples - cursor
         if not self.drop_last and 0 < left < schedule.world_size:
             raise ValueError(

@@ -175,13 +175,13 @@ class DynamixAccelerate:
         finetune: with ``controller="ppo"``, keep training the policy on this job's own decisions
             (PPO updates on the main process); the updated policy is saved by ``save_state``.
         save_on_preemption: a directory: when any process gets a SIGTERM (a spot notice), every
-            process agrees at the next optimizer step (:meth:`step`), ``accelerator.save_state``
+            process agrees within two optimizer steps (:meth:`step`), ``accelerator.save_state``
             writes that step there, and every process raises
             :class:`~lightning_dynamix.elastic.Preempted` (exit code 143) for the launcher to
             restart the job, which resumes with ``accelerator.load_state(directory)`` on the same
             or another number of processes. ``None`` (default): SIGTERM is left alone.
-        preemption_check_interval: optimizer steps between two checks for a notice (one all-reduce
-            of one number each).
+        preemption_check_interval: optimizer steps between two checks for a notice (each starts a
+            non-blocking all-reduce of one number and reads the previous one's).
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
@@ -481,7 +481,7 @@ class DynamixAccelerate:
         if notice is None or self.global_step % self.preemption_check_interval:
             return
         agreed_at = time.monotonic()
-        if not notice.agreed(self.accelerator.device):
+        if not notice.poll(self.accelerator.device):
             return
         assert self.save_on_preemption is not None
         self.accelerator.save_state(self.save_on_preemption)  # every process: each writes its part

@@ -145,7 +145,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
-        self._explicit_sizes = batch_sizes is not None
         self.resume_weights: ResumeWeights | None = None
         """Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of
         ranks (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly."""
@@ -234,7 +233,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         loader = self._train_loader
         if loader is None:
             self._batch_sizes = sizes
-            self._explicit_sizes = True
             return None
         # the sampler notifies _sync_trainer_epoch_length
         return set_batch_sizes_on_every_rank(loader.batch_sampler, sizes, from_step, device=self.root_device)
@@ -305,7 +303,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 state,
                 min_batch_size=self.min_batch_size,
                 max_batch_size=self.max_batch_size,
-                batch_sizes=self._batch_sizes if self._explicit_sizes else None,
+                batch_sizes=self._batch_sizes,  # set only by you: the constructor or set_batch_sizes before training
                 weights=self.resume_weights,
             )
         except ValueError as err:

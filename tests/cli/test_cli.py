@@ -103,13 +103,15 @@ def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
 def test_bench_overhead_with_the_callback_also_measures_the_callbacks_own_work(tmp_path):
     out = tmp_path / "overhead.json"
     dynamix(
-        "bench", "overhead", "--with-callback", "--interval", "2", "--rounds", "1", "--steps", "8", "--warmup", "2",
+        "bench", "overhead", "--with-callback", "--with-preemption", "--interval", "2", "--rounds", "1",
+        "--steps", "8", "--warmup", "2",
         "--features", "8", "--hidden", "16", "--batch-size", "4", "--output", str(out),
         cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert result["variant"] == "heterogeneous_ddp + DynamixCallback"
+    assert result["variant"] == "heterogeneous_ddp + DynamixCallback + PreemptionCheckpoint"
     assert result["callback_ms_per_step"] > 0
+    assert 0 < result["preemption_check_ms_per_step"] < result["median_step_ms_ddp"]
     assert 0 < result["step_clock_ms_per_step"] < result["median_step_ms_ddp"]
     expected = (result["callback_ms_per_step"] + result["step_clock_ms_per_step"]) / result["median_step_ms_ddp"]
     assert result["callback_cost_fraction_of_ddp_step"] == pytest.approx(expected)

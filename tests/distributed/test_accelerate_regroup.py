@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.conftest import JOBS
-from tests.distributed.test_regroup import NUM_SAMPLES, global_steps
+from tests.distributed.test_regroup import assert_resumed_like_uninterrupted
 
 pytestmark = pytest.mark.distributed
 
@@ -53,33 +53,20 @@ def runs(tmp_path_factory):
 def test_state_resumed_on_other_processes_trains_the_same_global_batches_and_ends_equal(
     runs, config, checkpoint, saved, resumed
 ):
-    full = runs(config, "full", saved)
-    first = global_steps(runs(config, checkpoint, saved))
-    after = runs(config, f"resume-{checkpoint}-from{saved}", resumed)
-    rest = global_steps(after)
-    assert first
-    assert rest
-    assert not set(first) & set(rest), "a step was trained twice"
-    assert {**first, **rest} == global_steps(full)
-    for epoch in (0, 1):
-        seen = [i for (e, _), indices in [*first.items(), *rest.items()] if e == epoch for i in indices]
-        assert sorted(seen) == list(range(NUM_SAMPLES))
-    reference = full[0]["params"]
-    for rank in after:
-        worst = max((rank["params"][k] - reference[k]).abs().max().item() for k in reference)
-        assert worst <= 1e-6, f"max abs difference {worst}"
+    assert_resumed_like_uninterrupted(
+        runs(config, "full", saved),
+        runs(config, checkpoint, saved),
+        runs(config, f"resume-{checkpoint}-from{saved}", resumed),
+    )
 
 
 def test_a_sigterm_to_one_process_saves_one_step_and_the_state_resumes_on_fewer_processes(runs):
     stopped = runs("sgd-workers0", "preempt", 3)
     marks = [rank["steps"][-1] for rank in stopped]
-    # process 2 got the notice after optimizer step 6: every process saved step 7 and stopped there
-    assert [m[:2] for m in marks] == [("preempted", 7)] * 3
-    first = global_steps([{"steps": rank["steps"][:-1]} for rank in stopped])
-    rest = global_steps(runs("sgd-workers0", "resume-preempt-from3", 2))
-    assert len(first) == 7
-    assert not set(first) & set(rest)
-    assert {**first, **rest} == global_steps(runs("sgd-workers0", "full", 3))
-    reference = runs("sgd-workers0", "full", 3)[0]["params"]
-    for rank in runs("sgd-workers0", "resume-preempt-from3", 2):
-        assert max((rank["params"][k] - reference[k]).abs().max().item() for k in reference) <= 1e-6
+    # process 2 got the notice after optimizer step 6: the flag sent at step 7 is read at step 8, where
+    # every process saved and stopped
+    assert [m[:2] for m in marks] == [("preempted", 8)] * 3
+    before = [{"steps": rank["steps"][:-1]} for rank in stopped]
+    assert len(before[0]["steps"]) == 8
+    full = runs("sgd-workers0", "full", 3)
+    assert_resumed_like_uninterrupted(full, before, runs("sgd-workers0", "resume-preempt-from3", 2))

@@ -55,7 +55,10 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
             dynamix.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            try:
+            total = PLAN.get((epoch, step)) or (PLAN.get((epoch, -1)) if step == len(loader) - 1 else None)
+            if total is not None:
+                dynamix.set_batch_sizes(uneven(total, world))
+            try:  # last in the iteration: a preemption saves the state here and nothing after it runs
                 dynamix.step(loss)
             except Preempted as preempted:
                 steps.append(("preempted", preempted.step, dynamix.seconds_to_save))
@@ -63,9 +66,6 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
                 raise
             if run == "preempt" and accelerator.process_index == 2 and dynamix.global_step == PREEMPT_AFTER:
                 os.kill(os.getpid(), signal.SIGTERM)  # the spot notice, to one process only
-            total = PLAN.get((epoch, step)) or (PLAN.get((epoch, -1)) if step == len(loader) - 1 else None)
-            if total is not None:
-                dynamix.set_batch_sizes(uneven(total, world))
             if run == "mid" and dynamix.global_step == MID_STEP:
                 stop = True
                 break
