@@ -4,7 +4,7 @@
     python examples/ctr/dlrm.py fit --config examples/ctr/dlrm_offload.yaml
 
 The second config trains the same model with its embedding tables on CPU embedding servers
-(LayerOffloadStrategy). The model is :class:`lightning_dynamix.cli.dlrm.DLRM`. The data's
+(LayerOffloadStrategy). The model is :class:`lightning_dynamix.data.dlrm.DLRM`. The data's
 ``num_dense`` and ``table_sizes`` are linked to the model's, so the embedding tables always match
 the categorical features (set them under ``data:`` only).
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
-from lightning_dynamix.cli.dlrm import DLRM
 from lightning_dynamix.data import CTRDataModule
+from lightning_dynamix.data.dlrm import DLRM
 
 __all__ = ["DLRM", "DLRMCLI"]
 

@@ -1,1 +1,1 @@
-"""The ``dynamix`` command: demo, benchmarks."""
+"""The ``dynamix`` command: its entry point and the demo, report, plan and policy commands."""

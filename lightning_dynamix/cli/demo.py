@@ -8,8 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.cli.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
-from lightning_dynamix.cli.plots import plot_runs
+from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
+from lightning_dynamix.bench.plots import plot_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

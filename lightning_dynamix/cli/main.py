@@ -6,17 +6,12 @@ import argparse
 import warnings
 from collections.abc import Sequence
 
-from lightning_dynamix.cli import (
-    bench,
-    bench_heterogeneity,
-    bench_offload,
-    bench_placement,
-    bench_plan,
-    demo,
-    plan,
-    policy,
-    report,
-)
+from lightning_dynamix.bench import core as bench
+from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
+from lightning_dynamix.bench import offload as bench_offload
+from lightning_dynamix.bench import placement as bench_placement
+from lightning_dynamix.bench import plan as bench_plan
+from lightning_dynamix.cli import demo, plan, policy, report
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -58,8 +58,8 @@ def _load(class_path: str, what: str) -> Any:
 
 def _model_and_data(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.model == "dlrm":
-        from lightning_dynamix.cli.dlrm import DLRM
         from lightning_dynamix.data import CTRDataModule
+        from lightning_dynamix.data.dlrm import DLRM
 
         data = CTRDataModule(**args.data_args)
         model_args = {"num_dense": data.spec.num_dense, "table_sizes": data.spec.table_sizes, **args.model_args}

@@ -14,8 +14,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dynamix.callbacks import ClusterMetricsMonitor, DynamixCallback, HeterogeneityEmulator
-from lightning_dynamix.cli.workloads import DemoClassifier
 from lightning_dynamix.control import Decision, StaticController
+from lightning_dynamix.data.synthetic import DemoClassifier
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 pytestmark = pytest.mark.usefixtures("isolated_process_group")

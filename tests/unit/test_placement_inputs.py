@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_dynamix.cli.dlrm import DLRM
+from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.placement import ModelProfile, ResourceType, load_catalogue, profile_model
 from lightning_dynamix.placement.catalogue import parse_bandwidth, parse_size
 

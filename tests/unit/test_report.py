@@ -11,8 +11,8 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning_dynamix.callbacks import DynamixCallback
 from lightning_dynamix.cli.main import main
 from lightning_dynamix.cli.report import find_logs, read_log, summarise
-from lightning_dynamix.cli.workloads import DemoClassifier
 from lightning_dynamix.control import Decision
+from lightning_dynamix.data.synthetic import DemoClassifier
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 pytestmark = pytest.mark.usefixtures("isolated_process_group")

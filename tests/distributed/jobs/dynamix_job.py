@@ -19,7 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_dynamix import HeterogeneousDDPStrategy
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
-from lightning_dynamix.cli.workloads import DemoClassifier
+from lightning_dynamix.data.synthetic import DemoClassifier
 
 mode, out = sys.argv[1], Path(sys.argv[2])
 torch.set_num_threads(1)  # two processes on the machine's cores: the emulated factor is relative to one thread

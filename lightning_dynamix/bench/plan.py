@@ -33,11 +33,11 @@ from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 
-from lightning_dynamix.cli.bench import _config, _machine
-from lightning_dynamix.cli.bench_offload import timed_trainer
-from lightning_dynamix.cli.dlrm import DLRM
-from lightning_dynamix.cli.timing import StepTimer
+from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.offload import timed_trainer
+from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CTRDataModule
+from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model
 from lightning_dynamix.strategies import LayerOffloadStrategy
 

@@ -8,9 +8,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.cli.bench import _machine
-from lightning_dynamix.cli.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
-from lightning_dynamix.cli.plots import plot_runs
+from lightning_dynamix.bench.core import _machine
+from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
+from lightning_dynamix.bench.plots import plot_runs
 
 
 def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:

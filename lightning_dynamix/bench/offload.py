@@ -25,10 +25,10 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dynamix.cli.bench import _config, _machine
-from lightning_dynamix.cli.dlrm import DLRM
-from lightning_dynamix.cli.timing import StepTimer
+from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
+from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)

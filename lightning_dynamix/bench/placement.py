@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.cli.bench import _config, _machine
+from lightning_dynamix.bench.core import _config, _machine
 from lightning_dynamix.placement import InfeasibleError, solve_dp, solve_greedy
 from lightning_dynamix.placement.random_chains import random_problem
 from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl

@@ -1,4 +1,9 @@
-"""``dynamix bench``: measured comparisons, run as real multi-process jobs on this machine."""
+"""``dynamix bench overhead`` and ``dynamix bench hook``, and what every benchmark records of its run.
+
+``overhead`` sets HeterogeneousDDPStrategy with equal sizes against Lightning's ddp; ``hook`` the
+weighted all-reduce hook against DDP's built-in reduction. ``_machine`` and ``_config`` describe
+the machine and the arguments in each benchmark's JSON output.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from lightning_dynamix import (
     __version__,
     weighted_allreduce_hook,
 )
-from lightning_dynamix.cli.timing import StepTimer
-from lightning_dynamix.cli.workloads import DemoClassifier, make_mlp
+from lightning_dynamix.bench.timing import StepTimer
+from lightning_dynamix.data.synthetic import DemoClassifier, make_mlp
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 

@@ -19,7 +19,7 @@ from torchmetrics.classification import BinaryAUROC
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
-from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRSample
+from lightning_dynamix.data.ctr import CRITEO_LIKE_TABLE_SIZES, CTRSample
 
 OptimizerName = Literal["sgd", "adagrad"]
 

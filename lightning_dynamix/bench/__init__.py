@@ -1,0 +1,11 @@
+"""Benchmarks behind ``dynamix bench``: measured comparisons, run as real jobs on this machine.
+
+* :mod:`.core`: ``overhead`` and ``hook``, and the machine and arguments every benchmark records;
+* :mod:`.heterogeneity`: ``balance`` and ``tta``, on the heterogeneous runs of :mod:`.experiments`
+  (also ``dynamix demo``'s), plotted by :mod:`.plots`;
+* :mod:`.offload`, :mod:`.placement`, :mod:`.plan`: ``offload``, ``placement`` and ``plan``;
+* :mod:`.timing`: per-rank step times.
+
+``dynamix bench policy`` lives with the learned controller's other commands, in
+:mod:`lightning_dynamix.cli.policy`.
+"""
