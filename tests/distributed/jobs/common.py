@@ -158,19 +158,26 @@ def quiet_trainer(**kwargs) -> Trainer:
 def reference_training(steps_by_rank, num_samples, optimizer, accumulate, seed=0, reduction="mean"):
     """One process trains on the concatenated global batches; returns final params and per-step losses.
 
-    ``steps_by_rank[r]`` is rank r's list of (epoch, batch_idx, indices). A window of
-    ``accumulate`` batches (cut short at an epoch's end, as Lightning does) is one optimizer
-    step on the loss (mean or sum) over every sample of the window.
+    ``steps_by_rank[r]`` is rank r's list of (epoch, batch_idx, indices).
     """
-    dataset = IndexedDataset(num_samples)
-    network = make_network(seed)
-    opt = make_optimizer(optimizer, network.parameters())
     world_size = len(steps_by_rank)
     global_steps = []
     for k in range(len(steps_by_rank[0])):
         epoch, batch_idx, _ = steps_by_rank[0][k]
         assert all(steps_by_rank[r][k][:2] == (epoch, batch_idx) for r in range(world_size))
         global_steps.append((epoch, batch_idx, [i for r in range(world_size) for i in steps_by_rank[r][k][2]]))
+    return train_one_process(global_steps, num_samples, optimizer, accumulate, seed, reduction)
+
+
+def train_one_process(global_steps, num_samples, optimizer, accumulate=1, seed=0, reduction="mean"):
+    """One process trains on ``global_steps``, a list of (epoch, batch_idx, indices); returns params and losses.
+
+    A window of ``accumulate`` batches (cut short at an epoch's end, as Lightning does) is one
+    optimizer step on the loss (mean or sum) over every sample of the window.
+    """
+    dataset = IndexedDataset(num_samples)
+    network = make_network(seed)
+    opt = make_optimizer(optimizer, network.parameters())
     epoch_lengths: dict[int, int] = {}
     for epoch, _, _ in global_steps:
         epoch_lengths[epoch] = epoch_lengths.get(epoch, 0) + 1

@@ -1,0 +1,151 @@
+"""torch elastic on one machine: torchrun agents on 127.0.0.1 as nodes that can be preempted and added.
+
+``dynamix bench elastic`` and the elastic tests run their jobs on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+STORE = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
+                      timeout=timedelta(seconds=60))
+print(store.port, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+class LocalElasticCluster:
+    """A rendezvous store that no node owns, and torchrun agents (one worker each) started and preempted at will.
+
+    Torch elastic re-forms the group whenever a node leaves or joins; this is the set-up it needs to
+    do so on one machine (see docs/elastic.md): the c10d rendezvous on a store that outlives every
+    agent (``is_host=false``), each rendezvous handing its workers a fresh store
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) and short rendezvous timeouts.
+
+    Args:
+        command: what each agent runs: a script and its arguments, or ``["-m", module, ...]``.
+        out: directory of the agents' logs (``<name>.log``).
+        nnodes: torchrun's ``--nnodes``, ``MIN:MAX``.
+        max_restarts: torchrun's ``--max-restarts``, for every agent.
+        env: environment variables for every agent and worker, on top of this process's.
+        run_id: the rendezvous id; a finished job closes it, so give each job its own.
+    """
+
+    def __init__(
+        self,
+        command: list[str],
+        out: Path,
+        nnodes: str,
+        max_restarts: int = 8,
+        env: dict[str, str] | None = None,
+        run_id: str = "dynamix",
+    ) -> None:
+        self.command, self.out = [str(a) for a in command], Path(out)
+        self.nnodes, self.max_restarts, self.run_id = nnodes, max_restarts, run_id
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
+            self.env.pop(name, None)
+        self.env.update(env or {})
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.starts: dict[str, int] = {}
+        self.retired: list[tuple[Path, subprocess.Popen]] = []  # agents of a name started again
+        self.store: subprocess.Popen | None = None
+        self.port: int | None = None
+
+    def __enter__(self) -> LocalElasticCluster:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.store = subprocess.Popen(
+            [sys.executable, "-c", STORE], stdout=subprocess.PIPE, text=True, env=self.env, start_new_session=True
+        )
+        assert self.store.stdout is not None
+        self.port = int(self.store.stdout.readline())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def add_node(self, name: str) -> subprocess.Popen:
+        """Start an agent (a node) named ``name``, which is also its DYNAMIX_MACHINE_ID.
+
+        It logs to ``<out>/<name>.log``; a name used before (the machine back) logs to ``<name>.<n>.log``.
+        """
+        command = [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", str(self.max_restarts),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+            "--rdzv-conf", "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
+            "join_timeout=120",
+            "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
+            *self.command,
+        ]  # fmt: skip
+        if name in self.nodes:
+            self.retired.append((self.log_path(name), self.nodes[name]))
+        self.starts[name] = self.starts.get(name, 0) + 1
+        env = dict(self.env, DYNAMIX_MACHINE_ID=name)
+        with open(self.log_path(name), "w") as log:
+            self.nodes[name] = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        return self.nodes[name]
+
+    def processes(self, name: str) -> list[psutil.Process]:
+        """The node's agent and its workers (torch elastic starts each worker in a session of its own)."""
+        try:
+            agent = psutil.Process(self.nodes[name].pid)
+            return [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def preempt(self, name: str) -> None:
+        """A spot machine taken back: SIGTERM to every process of the node, as its shutdown sends."""
+        for process in self.processes(name):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.send_signal(signal.SIGTERM)
+
+    def wait(self, names: list[str], timeout: float) -> dict[str, int | None]:
+        """Each node's agent's exit code, waiting up to ``timeout`` seconds in all (None: still running)."""
+        deadline = time.monotonic() + timeout
+        for name in names:
+            try:
+                self.nodes[name].wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        return {name: self.nodes[name].poll() for name in names}
+
+    def log_path(self, name: str) -> Path:
+        starts = self.starts.get(name, 1)
+        return self.out / (f"{name}.log" if starts <= 1 else f"{name}.{starts}.log")
+
+    def log(self, name: str) -> str:
+        """The log of the node's latest agent."""
+        return self.log_path(name).read_text(errors="replace")
+
+    def close(self) -> None:
+        """Kill whatever still runs: agents, their workers, the store."""
+        agents = [*self.nodes.values(), *(agent for _, agent in self.retired)]
+        for agent in agents:
+            try:
+                tree = psutil.Process(agent.pid)
+                processes = [tree, *tree.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                processes = []
+            for process in processes:  # the agent first: it would restart a killed worker
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            agent.wait()
+        if self.store is not None:
+            self.store.kill()
+            self.store.wait()

@@ -1,0 +1,129 @@
+"""torch elastic on one machine: a node is preempted mid-epoch, the survivors go on, a node joins, nothing is lost.
+
+Three torchrun agents on 127.0.0.1 (``--nnodes 2:3 --nproc-per-node 1``, one Lightning worker each,
+jobs/elastic_job.py) train with PreemptionCheckpoint. The node of rank 0 gets a SIGTERM mid-epoch
+(every process of it, as a machine's shutdown sends): every rank saves the same step and exits,
+torch elastic restarts the two survivors, which resume the checkpoint with ``ckpt_path="last"``.
+Then a fourth agent starts: torch elastic stops the two (a SIGTERM each, so they save again) and
+restarts three, which finish the job. No launcher is restarted by hand.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dynamix.bench.cluster import LocalElasticCluster
+from tests.distributed.conftest import JOBS, import_job
+from tests.distributed.test_regroup import global_steps
+
+pytestmark = pytest.mark.distributed
+
+NUM_SAMPLES = 150
+PHASE_TIMEOUT = 180.0
+
+
+def progress(out: Path) -> list[dict]:
+    path = out / "progress"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def wait_until(out: Path, cluster: LocalElasticCluster, event: str, world: int, after: int) -> list[dict]:
+    """Wait until every rank of one launch on ``world`` nodes reported ``event`` at one step (progress from ``after``).
+
+    ``event`` is ``"start"`` (training began) or ``"held"`` (waiting for the driver).
+    """
+    deadline = time.monotonic() + PHASE_TIMEOUT
+    while time.monotonic() < deadline:
+        seen = defaultdict(dict)
+        for line in progress(out)[after:]:
+            if line["event"] == event and line["world"] == world:
+                seen[line["start"], line["step"]][line["rank"]] = line
+        for ranks in seen.values():
+            if len(ranks) == world:
+                return [ranks[r] for r in range(world)]
+        if any(node.poll() == 0 for node in cluster.nodes.values()):
+            break  # the job ended
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {name}\n{cluster.log(name)[-3000:]}" for name in cluster.nodes)
+    pytest.fail(f"no launch on {world} nodes reported {event!r} on all its ranks\n{logs}")
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    out = tmp_path_factory.mktemp("elastic")
+    (out / "hold-w3").touch()
+    (out / "hold-w2").touch()
+    with LocalElasticCluster([JOBS / "elastic_job.py", out], out, nnodes="2:3") as cluster:
+        for name in ("node-0", "node-1", "node-2"):
+            cluster.add_node(name)
+        held = wait_until(out, cluster, "held", 3, after=0)
+        victim = held[0]["machine"]  # the node of rank 0: the workers' store and the checkpoint's writer go too
+        mark = len(progress(out))
+        cluster.preempt(victim)
+        (out / "hold-w3").unlink()
+        wait_until(out, cluster, "held", 2, after=mark)
+        mark = len(progress(out))
+        cluster.add_node("node-3")  # torch elastic sees a node waiting and restarts the group on 3
+        wait_until(out, cluster, "start", 3, after=mark)
+        (out / "hold-w2").unlink()
+        finishers = [name for name in cluster.nodes if name != victim]
+        codes = cluster.wait(finishers, timeout=300)
+        codes[victim] = cluster.wait([victim], timeout=10)[victim]
+        logs = {name: cluster.log(name) for name in cluster.nodes}
+    launches = defaultdict(list)
+    for path in out.glob("launch-*.pt"):  # launch-w<world>-from<step>-rank<rank>.pt
+        start = int(path.stem.split("-from")[1].split("-rank")[0])
+        launches[start].append(torch.load(path))
+    ordered = [{"start": start, "ranks": launches[start]} for start in sorted(launches)]
+    return {"out": out, "victim": victim, "codes": codes, "logs": logs, "launches": ordered}
+
+
+def test_torch_elastic_restarts_the_survivors_then_grows_back_and_the_job_finishes(elastic):
+    codes, victim = elastic["codes"], elastic["victim"]
+    finishers = {name: code for name, code in codes.items() if name != victim}
+    logs = {name: log[-3000:] for name, log in elastic["logs"].items()}
+    assert all(code == 0 for code in finishers.values()), (codes, logs)
+    assert codes[victim] is not None
+    assert codes[victim] != 0  # the preempted agent stopped for good
+    worlds = [len(launch["ranks"]) for launch in elastic["launches"]]
+    assert worlds[-3:] == [3, 2, 3]
+    last = elastic["launches"][-1]["ranks"]
+    assert {r["machine"] for r in last} == {"node-0", "node-1", "node-2", "node-3"} - {victim}
+    assert all(r["exception"] is None for r in last)
+
+
+def test_each_launch_saved_the_step_it_stopped_at_and_the_next_began_there(elastic):
+    launches = elastic["launches"]
+    assert launches[0]["start"] == 0
+    for before, after in itertools.pairwise(launches):
+        assert {r["exception"] for r in before["ranks"]} == {"Preempted"}
+        assert {r["saved_step"] for r in before["ranks"]} == {after["start"]}
+        assert {r["global_step"] for r in before["ranks"]} == {after["start"]}
+        # every step from the launch's start to the saved one was trained, and no other
+        assert {len(r["steps"]) for r in before["ranks"]} == {after["start"] - before["start"]}
+
+
+def test_every_sample_once_per_epoch_and_the_parameters_of_one_process_on_the_same_global_batches(elastic):
+    steps: dict[tuple[int, int], list[int]] = {}
+    for launch in elastic["launches"]:
+        trained = global_steps(launch["ranks"])
+        assert not set(trained) & set(steps), "a step was trained twice"
+        steps.update(trained)
+    for epoch in (0, 1):
+        seen = [i for (e, _), indices in steps.items() if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+    common = import_job("common")
+    ordered = [(epoch, batch_idx, steps[epoch, batch_idx]) for epoch, batch_idx in sorted(steps)]
+    reference, _ = common.train_one_process(ordered, NUM_SAMPLES, "adam")
+    for rank in elastic["launches"][-1]["ranks"]:
+        worst = max((rank["params"][k] - reference[k]).abs().max().item() for k in reference)
+        assert worst <= 1e-6, f"max abs difference {worst}"
