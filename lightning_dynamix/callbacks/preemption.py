@@ -32,8 +32,11 @@ log = logging.getLogger(__name__)
 class PreemptionCheckpoint(ModelCheckpoint):
     """On a SIGTERM to any rank, every rank saves the same step's checkpoint and the job exits for a restart.
 
-    A ``ModelCheckpoint`` that saves nothing on its own (periodic checkpoints stay the choice of
-    your other callbacks), so that ``trainer.fit(..., ckpt_path="last")`` finds its checkpoint.
+    A ``ModelCheckpoint`` that saves nothing periodically (periodic checkpoints stay the choice of
+    your other callbacks), so that ``trainer.fit(..., ckpt_path="last")`` finds its checkpoint. When
+    training ends it writes the final state to the same file: a group that the launcher restarts
+    after the end (torch elastic does when a node joins while the workers wind down) resumes the end
+    and stops, instead of training again from an earlier preemption or from the start.
 
     Args:
         dirpath: directory of the checkpoint; keep it the same across restarts (the default,
@@ -60,7 +63,7 @@ class PreemptionCheckpoint(ModelCheckpoint):
         self.notice = PreemptionNotice()
         self._batches = 0
         self.saved_step: int | None = None
-        """The global step saved at the last preemption of this process, else ``None``."""
+        """The global step this process saved last (at a preemption or at the end), else ``None``."""
         self.seconds_to_save: float | None = None
         """Seconds from this process's notice (or from the agreement, on a rank without one) to the checkpoint saved."""
 
@@ -114,6 +117,11 @@ class PreemptionCheckpoint(ModelCheckpoint):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.notice.finish()  # every rank started the last poll: let it complete before the group goes
+        # the end is a checkpoint too: a launcher that restarts the group after training ended (torch
+        # elastic does when a node joins while the workers wind down) must resume the end, not a
+        # preemption from earlier in the job (every step since trained twice) or nothing (all of it)
+        trainer.save_checkpoint(self.checkpoint_path)
+        self.saved_step = trainer.global_step
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

@@ -179,7 +179,8 @@ class DynamixAccelerate:
             writes that step there, and every process raises
             :class:`~lightning_dynamix.elastic.Preempted` (exit code 143) for the launcher to
             restart the job, which resumes with ``accelerator.load_state(directory)`` on the same
-            or another number of processes. ``None`` (default): SIGTERM is left alone.
+            or another number of processes; call :meth:`finish` after the loop to save the end
+            there too. ``None`` (default): SIGTERM is left alone.
         preemption_check_interval: optimizer steps between two checks for a notice (each starts a
             non-blocking all-reduce of one number and reads the previous one's).
 
@@ -490,6 +491,24 @@ class DynamixAccelerate:
         self.seconds_to_save = time.monotonic() - started
         notice.uninstall()
         raise Preempted(self.global_step, self.save_on_preemption)
+
+    def finish(self) -> None:
+        """Training is over: call it on every process after the training loop.
+
+        With ``save_on_preemption`` it waits for the check in flight, writes the final state to that
+        directory and gives SIGTERM its previous handler back. A launcher that restarts the group
+        after the end (torch elastic does when a node joins while the processes wind down) then
+        loads the end, where the loop has nothing left to train, instead of training again from an
+        earlier preemption's state. Without ``save_on_preemption`` it does nothing.
+        """
+        notice = self.preemption
+        if notice is None:
+            return
+        assert self.save_on_preemption is not None
+        notice.finish()
+        self.accelerator.save_state(self.save_on_preemption)
+        self.accelerator.wait_for_everyone()
+        notice.uninstall()
 
     def set_batch_sizes(self, batch_sizes: Sequence[int]) -> int:
         """Use ``batch_sizes`` from the first step no rank has produced yet; call it on every rank with the same sizes.

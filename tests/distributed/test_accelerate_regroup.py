@@ -70,3 +70,11 @@ def test_a_sigterm_to_one_process_saves_one_step_and_the_state_resumes_on_fewer_
     assert len(before[0]["steps"]) == 8
     full = runs("sgd-workers0", "full", 3)
     assert_resumed_like_uninterrupted(full, before, runs("sgd-workers0", "resume-preempt-from3", 2))
+
+
+def test_finish_saves_the_end_so_a_restart_after_it_trains_nothing_again(runs):
+    ended = runs("sgd-workers0", "resume-preempt-from3", 2)
+    restarted = runs("sgd-workers0", "after-end", 2)
+    assert [rank["steps"] for rank in restarted] == [[], []]
+    for before, after in zip(ended, restarted, strict=True):
+        assert all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])

@@ -19,12 +19,13 @@ pytestmark = pytest.mark.distributed
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("preempt")
     train = run_job("preempt_job.py", 3, out, "train", cwd=out, check=False)
+    saved = torch.load(out / "checkpoints" / "last-preempted.ckpt", weights_only=False)["global_step"]
     resume = run_job("preempt_job.py", 2, out, "resume", cwd=out)
-    return out, train, resume
+    return out, train, resume, saved
 
 
 def test_a_sigterm_to_one_rank_saves_one_step_on_every_rank_and_exits_for_a_restart(runs):
-    out, train, _ = runs
+    out, train, _, saved = runs
     assert train.returncode == PREEMPTED_EXIT_CODE, train.stderr[-4000:]
     ranks = [torch.load(out / f"preempted-w3-rank{r}.pt") for r in range(3)]
     assert [r["exception"] for r in ranks] == ["Preempted"] * 3
@@ -34,15 +35,21 @@ def test_a_sigterm_to_one_rank_saves_one_step_on_every_rank_and_exits_for_a_rest
     # rank 2 signalled itself at the end of its 7th batch, before the check there (Lightning runs checkpoint
     # callbacks last): the flag sent at step 7 is read at step 8, the same step on every rank
     assert step == 8
-    checkpoint = torch.load(out / "checkpoints" / "last-preempted.ckpt", weights_only=False)
-    assert checkpoint["global_step"] == step
+    assert saved == step  # the file the launcher's restart finds
     assert [len(r["steps"]) for r in ranks] == [step] * 3
 
 
 def test_the_job_resumes_the_preemption_checkpoint_on_fewer_ranks_with_nothing_lost(runs):
-    out, _, _ = runs
+    out, _, _, _ = runs
 
     def load(name, world):
         return [torch.load(out / f"{name}-w{world}-rank{r}.pt") for r in range(world)]
 
     assert_resumed_like_uninterrupted(load("full", 3), load("preempted", 3), load("resumed", 2))
+
+
+def test_the_resumed_job_leaves_its_end_in_the_file_a_later_restart_finds(runs):
+    out, _, _, _ = runs
+    end = [torch.load(out / f"resumed-w2-rank{r}.pt") for r in range(2)]
+    checkpoint = torch.load(out / "checkpoints" / "last-preempted.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == end[0]["global_step"] > 8

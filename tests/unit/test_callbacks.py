@@ -22,17 +22,14 @@ pytestmark = pytest.mark.usefixtures("isolated_process_group")
 
 
 def trainer(callbacks, strategy=None, max_steps=12, **kwargs):
+    defaults = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     return Trainer(
         accelerator="cpu",
         devices=1,
         strategy=strategy if strategy is not None else HeterogeneousDDPStrategy(),
         max_steps=max_steps,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
+        **{**defaults, **kwargs},
     )
 
 
@@ -215,3 +212,26 @@ def test_monitor_estimates_the_loss_and_logs_without_deciding(tmp_path):
     assert math.isfinite(monitor.history[-1].state.loss_slope)
     header = (tmp_path / "monitor" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
     assert {"dynamix/rank_0/batch_size", "dynamix/rank_0/compute_time", "dynamix/throughput_to_ideal"} <= set(header)
+
+
+def test_a_job_restarted_after_it_ended_resumes_the_end_instead_of_training_again(tmp_path):
+    """Torch elastic restarts a group when a node joins while its workers wind down: nothing is trained twice."""
+    from lightning.pytorch import Callback
+
+    from lightning_dynamix import PreemptionCheckpoint
+
+    class CountSteps(Callback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.steps += 1
+
+    first = PreemptionCheckpoint(dirpath=tmp_path)
+    trainer([first, CountSteps()], max_steps=-1, max_epochs=2, enable_checkpointing=True).fit(model())
+    assert first.saved_step == 2 * 512 // 16
+    restarted, counted = PreemptionCheckpoint(dirpath=tmp_path), CountSteps()
+    again = trainer([restarted, counted], max_steps=-1, max_epochs=2, enable_checkpointing=True)
+    again.fit(model(), ckpt_path="last")
+    assert counted.steps == 0
+    assert again.global_step == first.saved_step

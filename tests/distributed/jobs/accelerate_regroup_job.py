@@ -8,7 +8,8 @@ RESUME_FROM_W, first ``load_state`` the states that launch saved and train to th
 ("full"), and stop after a ``save_state`` at optimizer step 5 ("mid") and at the end of epoch 0
 ("end"); the first 3-process launch ends with "preempt" (process 2 sends itself SIGTERM after
 optimizer step 6; every process saves the state and exits with 143), which the 2-process launch
-resumes. Sizes change at planned steps by global batch, split over this launch's processes.
+resumes, saving its end there with ``dynamix.finish()``, and loads once more ("after-end": nothing
+left to train). Sizes change at planned steps by global batch, split over this launch's processes.
 Every process saves the batches it trained on and the final parameters.
 """
 
@@ -39,6 +40,8 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     world = accelerator.num_processes
     preempt = out / f"{config}-preempt-w{world}" if run == "preempt" else None
+    if run == "resume-preempt-from3":  # the job keeps saving where it resumed from, the end included
+        preempt = state_dir
     dynamix = DynamixAccelerate(accelerator, seed=5, save_on_preemption=preempt)
     network = make_network(0)
     optimizer = make_optimizer(optimizer_name, network.parameters())
@@ -72,6 +75,7 @@ def train(config: str, run: str, state_dir: Path | None = None) -> None:
         if stop or (run == "end" and epoch == 0):
             accelerator.save_state(str(out / f"{config}-{run}-w{world}"))
             break
+    dynamix.finish()
     params = {k: v.detach().cpu() for k, v in accelerator.unwrap_model(model).state_dict().items()}
     torch.save({"steps": steps, "params": params}, out / f"{config}-{run}-w{world}-rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
@@ -87,6 +91,8 @@ for config in CONFIGS:
             train(config, run)
 if resume_from == 3:  # the state saved on a SIGTERM to one of 3 processes
     train("sgd-workers0", "resume-preempt-from3", out / "sgd-workers0-preempt-w3")
+    # restarted after the end (by torch elastic, when a node joins as the job winds down): nothing to train
+    train("sgd-workers0", "after-end", out / "sgd-workers0-preempt-w3")
 if world_size == 3 and resume_from is None:  # last: it ends this launch with the preemption exit code
     train("sgd-workers0", "preempt")
 Accelerator(cpu=not torch.cuda.is_available()).end_training()
