@@ -4,6 +4,8 @@
 * :mod:`.heterogeneity`: ``balance`` and ``tta``, on the heterogeneous runs of :mod:`.experiments`
   (also ``dynamix demo``'s), plotted by :mod:`.plots`;
 * :mod:`.offload`, :mod:`.placement`, :mod:`.plan`: ``offload``, ``placement`` and ``plan``;
+* :mod:`.elastic`: ``elastic``, torch elastic jobs on the local nodes of :mod:`.cluster`, each
+  worker :mod:`.elastic_worker`;
 * :mod:`.timing`: per-rank step times.
 
 ``dynamix bench policy`` lives with the learned controller's other commands, in

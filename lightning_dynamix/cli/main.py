@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_dynamix.bench import core as bench
+from lightning_dynamix.bench import elastic as bench_elastic
 from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
 from lightning_dynamix.bench import offload as bench_offload
 from lightning_dynamix.bench import placement as bench_placement
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_plan.add_arguments(plan_bench)
     plan_bench.set_defaults(func=bench_plan.run)
+    elastic = benchmarks.add_parser(
+        "elastic", help="a node preempted and back under torch elastic: work lost, recovery and time to accuracy"
+    )
+    bench_elastic.add_arguments(elastic)
+    elastic.set_defaults(func=bench_elastic.run)
     return parser
 
 

@@ -1,0 +1,251 @@
+"""``dynamix bench elastic``: what a preemption costs a job under torch elastic, with and without PreemptionCheckpoint.
+
+Three torchrun agents on this machine (one node each, ``--nnodes 2:3``, see
+:class:`~lightning_dynamix.bench.cluster.LocalElasticCluster`) train the built-in classification
+task with a PID-controlled HeterogeneousDDPStrategy, their speeds emulated (default 1:1:3). Three
+scenarios (``--scenarios``) run back to back, each a new job:
+
+* ``never preempted``: the three nodes from start to end;
+* ``PreemptionCheckpoint``: the fastest node gets a SIGTERM (every process of it, as a machine's
+  shutdown sends) at step ``--preempt-at``, torch elastic restarts the two survivors, which resume
+  the checkpoint every rank saved at the notice; when the job reaches step ``--back-at`` the node
+  starts again, torch elastic stops the two (they save again) and restarts three;
+* ``periodic (Lightning's default)``: the same events, with a ModelCheckpoint at Lightning's
+  default cadence (after every validation) instead: each restart resumes the last periodic
+  checkpoint and trains again what came after it.
+
+Per scenario: the steps trained twice (work lost), the seconds from the notice to training again
+and to being back at the step the notice came at, the seconds from the node's return to training on
+three nodes, the time to the target validation accuracy and to the end (wall clock from the first
+training step, restarts included), and the final accuracy. Global rank 0 of every launch writes the
+events (see :mod:`lightning_dynamix.bench.elastic_worker`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_dynamix.bench.cluster import LocalElasticCluster
+from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.experiments import floats
+
+SCENARIOS = {  # key on the command line: (name in the results, what the worker does on a change of nodes)
+    "never": ("never preempted", None),
+    "preemption": ("PreemptionCheckpoint", "preemption"),
+    "periodic": ("periodic (Lightning's default)", "periodic"),
+}
+
+
+def _scenarios(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",")]
+    unknown = [name for name in names if name not in SCENARIOS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown scenario(s) {unknown} in {text!r}; valid: {', '.join(SCENARIOS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--speeds", type=floats, default=(1.0, 1.0, 3.0), help="speed of each node (default 1,1,3)")
+    parser.add_argument("--epochs", type=int, default=8, help="training epochs (default 8)")
+    parser.add_argument("--num-samples", type=int, default=16384, help="training samples per epoch (default 16384)")
+    parser.add_argument("--batch-size", type=int, default=128, help="initial batch size of every rank (default 128)")
+    parser.add_argument("--hidden", type=int, default=768, help="width of the classifier's layers (default 768)")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate (default 0.1)")
+    parser.add_argument("--interval", type=int, default=5, help="optimizer steps per PID decision (default 5)")
+    parser.add_argument("--val-checks", type=int, default=4, help="validations per epoch (default 4)")
+    parser.add_argument("--target", type=float, default=0.8, help="target validation accuracy (default 0.8)")
+    parser.add_argument(
+        "--preempt-at",
+        type=float,
+        default=2.625,
+        help="the fastest node gets its notice at this epoch (a fraction, in full global batches per epoch:"
+        " 2.625 = 5/8 into epoch 2, half-way between two of Lightning's periodic checkpoints at 4 validations"
+        " per epoch; default 2.625)",
+    )
+    parser.add_argument(
+        "--back-at", type=float, default=4.375, help="the node starts again when the job reaches this epoch (4.375)"
+    )
+    parser.add_argument(
+        "--scenarios",
+        type=_scenarios,
+        default=list(SCENARIOS),
+        help=f"comma-separated, run in this order each round (default {','.join(SCENARIOS)})",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="times each scenario runs, interleaved (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, weights and order (default 0)")
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the jobs' logs and timelines here")
+    parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if len(args.speeds) < 2 or any(s <= 0 for s in args.speeds):
+        raise SystemExit(f"--speeds must give at least 2 positive speeds (one node each), got {args.speeds}")
+    if not 0 < args.preempt_at < args.back_at < args.epochs:
+        raise SystemExit(
+            f"need 0 < --preempt-at < --back-at < --epochs, got {args.preempt_at}, {args.back_at}, {args.epochs}"
+        )
+    for name in ("rounds", "epochs", "num_samples", "batch_size", "val_checks", "interval"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def _timeline(out: Path) -> list[dict[str, Any]]:
+    path = out / "timeline"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _wait_for_step(out: Path, cluster: LocalElasticCluster, step: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["event"] == "step" and e["step"] >= step for e in _timeline(out)):
+            return
+        if all(node.poll() is not None for node in cluster.nodes.values()):
+            break
+        time.sleep(0.05)
+    logs = "\n".join(f"--- {name}\n{cluster.log(name)[-2000:]}" for name in cluster.nodes)
+    raise RuntimeError(f"the job did not reach step {step}\n{logs}")
+
+
+def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: str) -> dict[str, Any]:
+    """One job: the nodes start, the fastest may be preempted and come back; returns what the timeline shows."""
+    names = [f"node-{i}" for i in range(len(args.speeds))]
+    fastest = names[max(range(len(names)), key=lambda i: args.speeds[i])]
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "mode": mode or "preemption",
+        "slowdowns": {name: max(args.speeds) / s for name, s in zip(names, args.speeds, strict=True)},
+        "epochs": args.epochs,
+        "num_samples": args.num_samples,
+        "batch_size": args.batch_size,
+        "hidden": args.hidden,
+        "lr": args.lr,
+        "interval": args.interval,
+        "val_checks_per_epoch": args.val_checks,
+        "seed": args.seed,
+        "timeout": 60,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    steps_per_epoch = args.num_samples // (len(names) * args.batch_size)
+    preempt_step = round(args.preempt_at * steps_per_epoch)
+    back_step = round(args.back_at * steps_per_epoch)
+    events: dict[str, float] = {}
+    nnodes = f"{len(names) - 1}:{len(names)}"
+    command = ["-m", "lightning_dynamix.bench.elastic_worker", str(out)]
+    with LocalElasticCluster(command, out, nnodes=nnodes, run_id=run_id) as cluster:
+        for name in names:
+            cluster.add_node(name)
+        if mode is not None:
+            _wait_for_step(out, cluster, preempt_step)
+            events["notice"] = time.time()
+            cluster.preempt(fastest)
+            _wait_for_step(out, cluster, back_step)
+            events["back"] = time.time()
+            cluster.add_node(fastest)
+        codes = cluster.wait(names, timeout=900)
+        if mode is not None and codes[fastest] != 0 and "RendezvousClosedError" in cluster.log(fastest):
+            codes[fastest] = 0  # the job had ended before the node came back: reported as such
+            events["back_too_late"] = 1.0
+        if any(code != 0 for code in codes.values()):
+            logs = "\n".join(f"--- {name}\n{cluster.log(name)[-2000:]}" for name in names)
+            raise RuntimeError(f"{run_id}: agents exited with {codes}\n{logs}")
+    return summarise(_timeline(out), events, args.target)
+
+
+def summarise(timeline: list[dict[str, Any]], events: dict[str, float], target: float) -> dict[str, Any]:
+    """Work lost, recovery times and time to accuracy from a job's timeline (see the module's docstring)."""
+    starts = [i for i, e in enumerate(timeline) if e["event"] == "start"]
+    launches = [timeline[i:j] for i, j in zip(starts, [*starts[1:], len(timeline)], strict=True)]
+    steps = [e for e in timeline if e["event"] == "step"]
+    t0 = steps[0]["t"]
+    lost = 0
+    for launch, following in itertools.pairwise(launches):
+        trained = [e["step"] for e in launch if e["event"] == "step"]
+        lost += max(0, max(trained, default=following[0]["step"]) - following[0]["step"])
+    result: dict[str, Any] = {
+        "launches": [[launch[0]["world"], launch[0]["step"]] for launch in launches],
+        "steps": steps[-1]["step"],
+        "steps_lost": lost,
+        "seconds_to_end": steps[-1]["t"] - t0,
+    }
+
+    def first_step_of_a_launch_after(moment: float, world: int | None = None) -> float | None:
+        for launch in launches:
+            if launch[0]["t"] > moment and world in (None, launch[0]["world"]):
+                return next((e["t"] for e in launch if e["event"] == "step"), None)
+        return None
+
+    if "notice" in events:
+        notice, back = events["notice"], events["back"]
+        # the step the group had reached when it stopped (a launch may train a step or two after the notice)
+        stopped = next(launch for launch in reversed(launches) if launch[0]["t"] <= notice)
+        reached = max(e["step"] for e in stopped if e["event"] == "step")
+        training = first_step_of_a_launch_after(notice)
+        on_all = first_step_of_a_launch_after(back, world=launches[0][0]["world"])
+        result["notice_to_training"] = None if training is None else training - notice
+        caught_up = next(e["t"] for e in steps if e["t"] > stopped[-1]["t"] and e["step"] > reached)
+        result["notice_to_step_reached"] = caught_up - notice
+        result["back_to_training_on_all"] = None if on_all is None else on_all - back
+        result["back_after_the_end"] = "back_too_late" in events
+    validations = [e for e in timeline if e["event"] == "val"]
+    reached_target = next((e for e in validations if e["accuracy"] >= target), None)
+    result["time_to_target"] = None if reached_target is None else reached_target["t"] - t0
+    result["final_accuracy"] = validations[-1]["accuracy"] if validations else None
+    return result
+
+
+def run(args: argparse.Namespace) -> None:
+    _check(args)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamix-bench-elastic-"))
+    results: dict[str, list[dict[str, Any]]] = {SCENARIOS[key][0]: [] for key in args.scenarios}
+    for round_ in range(args.rounds):
+        for key in args.scenarios:
+            name, mode = SCENARIOS[key]
+            out = workdir / f"round{round_}-{key}"
+            run_id = f"bench-elastic-{round_}-{key}-{time.time_ns()}"
+            results[name].append(run_scenario(args, mode, out, run_id))
+            print(f"round {round_ + 1}/{args.rounds}, {name}: {json.dumps(results[name][-1])}", flush=True)
+    summary = {"machine": _machine(), "config": _config(args), "workdir": str(workdir), "runs": results}
+    if args.output is not None:
+        args.output.write_text(json.dumps(summary, indent=2))
+    _print_table(results, args)
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def _print_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:
+    def cell(value: float | None, digits: int = 1) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    speeds = ":".join(f"{s:g}" for s in args.speeds)
+    print(f"\nspeeds {speeds}, {args.epochs} epochs, target accuracy {args.target}; medians of {args.rounds} round(s)")
+    print(
+        "| scenario | steps lost | notice -> training (s) | notice -> back at its step (s) |"
+        " node back -> training on all (s) | time to target (s) | time to end (s) | final accuracy |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    notes = []
+    for name, runs in results.items():
+        late = sum(bool(r.get("back_after_the_end")) for r in runs)
+        if late:
+            notes.append(f"{name}: in {late} of {len(runs)} runs the job ended before the node was back")
+        reached = sum(r["time_to_target"] is not None for r in runs)
+        print(
+            f"| {name} | {cell(_median(runs, 'steps_lost'), 0)} | {cell(_median(runs, 'notice_to_training'))} |"
+            f" {cell(_median(runs, 'notice_to_step_reached'))} | {cell(_median(runs, 'back_to_training_on_all'))} |"
+            f" {cell(_median(runs, 'time_to_target'))} ({reached}/{len(runs)}) |"
+            f" {cell(_median(runs, 'seconds_to_end'))} | {cell(_median(runs, 'final_accuracy'), 3)} |"
+        )
+    for note in notes:
+        print(note)

@@ -1,0 +1,72 @@
+"""What ``dynamix bench elastic`` reads from a job's timeline: work lost, recovery times, time to accuracy."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from lightning_dynamix.bench import elastic
+
+
+def timeline(*events):
+    return [dict(zip(("event", "t", "world", "step"), e[:4]), **(e[4] if len(e) > 4 else {})) for e in events]
+
+
+def test_a_restart_from_an_earlier_checkpoint_counts_the_steps_trained_again_and_the_time_to_catch_up():
+    events = timeline(
+        ("start", 0.0, 3, 0),
+        ("step", 1.0, 3, 1),
+        ("val", 1.5, 3, 1, {"accuracy": 0.5}),
+        ("step", 2.0, 3, 2),
+        ("step", 3.0, 3, 3),  # notice at 2.5; the group still trains step 3, then stops
+        ("start", 10.0, 2, 1),  # resumed the checkpoint of step 1: steps 2 and 3 again
+        ("step", 11.0, 2, 2),
+        ("step", 12.0, 2, 3),
+        ("step", 13.0, 2, 4),  # back at 13.5
+        ("start", 20.0, 3, 4),
+        ("step", 21.0, 3, 5),
+        ("val", 21.5, 3, 5, {"accuracy": 0.9}),
+    )
+    result = elastic.summarise(events, {"notice": 2.5, "back": 13.5}, target=0.8)
+    assert result["launches"] == [[3, 0], [2, 1], [3, 4]]
+    assert result["steps_lost"] == 2
+    assert result["notice_to_training"] == pytest.approx(11.0 - 2.5)
+    assert result["notice_to_step_reached"] == pytest.approx(13.0 - 2.5)
+    assert result["back_to_training_on_all"] == pytest.approx(21.0 - 13.5)
+    assert result["time_to_target"] == pytest.approx(21.5 - 1.0)
+    assert result["final_accuracy"] == 0.9
+    assert result["seconds_to_end"] == pytest.approx(20.0)
+
+
+def test_a_preemption_checkpoint_loses_no_step_and_a_job_that_misses_the_target_says_so():
+    events = timeline(
+        ("start", 0.0, 3, 0),
+        ("step", 1.0, 3, 1),
+        ("step", 2.0, 3, 2),  # notice at 1.5: saved at step 2
+        ("start", 10.0, 2, 2),
+        ("step", 11.0, 2, 3),
+        ("start", 20.0, 3, 3),
+        ("step", 21.0, 3, 4),
+        ("val", 21.5, 3, 4, {"accuracy": 0.7}),
+    )
+    result = elastic.summarise(events, {"notice": 1.5, "back": 11.5}, target=0.8)
+    assert result["steps_lost"] == 0
+    assert result["notice_to_step_reached"] == pytest.approx(11.0 - 1.5)
+    assert result["time_to_target"] is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--speeds", "3"], "--speeds must give at least 2"),
+        (["--preempt-at", "3", "--back-at", "2"], "0 < --preempt-at < --back-at < --epochs"),
+        (["--back-at", "9"], "0 < --preempt-at < --back-at < --epochs"),
+        (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_job_starts(argv, message):
+    parser = argparse.ArgumentParser()
+    elastic.add_arguments(parser)
+    with pytest.raises(SystemExit, match=message):
+        elastic.run(parser.parse_args(argv))
