@@ -36,6 +36,8 @@ class RunConfig:
         controller: ``"static"``, ``"pid"`` or ``"goodput"``.
         speeds: slowdown factor per rank (1.0 = the rank's own speed); one process per entry.
         batch_size: every rank's initial batch size (samples).
+        batch_sizes: each rank's initial batch size instead (one per rank), e.g. a fixed split to
+            measure with ``controller="static"``.
         epochs: training epochs (the budget every controller gets: the same data).
         max_steps: stop after this many optimizer steps instead (-1: no limit).
         interval: optimizer steps between decisions.
@@ -59,6 +61,7 @@ class RunConfig:
     controller: str = "pid"
     speeds: tuple[float, ...] = (1.0, 3.0)
     batch_size: int = 64
+    batch_sizes: tuple[int, ...] | None = None
     epochs: int = 4
     max_steps: int = -1
     interval: int = 5
@@ -164,8 +167,12 @@ class TrainingClock(Callback):
         self.train_seconds = self.elapsed()
 
 
-def run(config: RunConfig) -> RunResult | None:
-    """Train once; returns the result on global rank 0 and ``None`` on the other ranks."""
+def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
+    """Train once; returns the result on global rank 0 and ``None`` on the other ranks.
+
+    With ``on_every_rank`` every rank returns it: the measured intervals are gathered by all ranks,
+    so each can take the same next step of a search (the other figures are rank 0's own).
+    """
     world = len(config.speeds)
     # one thread per process: the ranks share the machine's cores, and the emulator's factors are
     # relative to a rank's own speed, which threads competing for a core would blur
@@ -182,7 +189,7 @@ def run(config: RunConfig) -> RunResult | None:
         accelerator="cpu",
         devices=world,
         strategy=HeterogeneousDDPStrategy(
-            batch_sizes=[config.batch_size] * world,
+            batch_sizes=list(config.batch_sizes) if config.batch_sizes else [config.batch_size] * world,
             max_batch_size=config.max_batch_size,
             seed=config.seed,
             timeout=timedelta(seconds=120),
@@ -207,7 +214,7 @@ def run(config: RunConfig) -> RunResult | None:
         seed=config.seed,
     )
     trainer.fit(model, datamodule=data)
-    if not trainer.is_global_zero:
+    if not trainer.is_global_zero and not on_every_rank:
         return None
     intervals = []
     for record in dynamix.history:

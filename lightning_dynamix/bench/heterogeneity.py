@@ -47,6 +47,64 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser, batch_size=256)
     parser.add_argument("--controller", default="pid", help="static, pid, goodput or ppo (default pid)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="first measure fixed splits of the same global batch (coarse, then refined around the best) and"
+        " report the controller's samples/s as a fraction of the best one's",
+    )
+    parser.add_argument(
+        "--oracle-finest",
+        type=int,
+        default=None,
+        help="the oracle's finest move between two ranks, in samples (default: the global batch / 64, at least 1)",
+    )
+
+
+def samples_per_second(result: RunResult, after_step: int) -> float:
+    """The run's achieved samples/s: the median over its measured intervals after ``after_step``."""
+    values = [i["throughput"] for i in result.intervals if i["step"] > after_step]
+    return statistics.median(values) if values else float("nan")
+
+
+def neighbour_splits(split: tuple[int, ...], delta: int) -> list[tuple[int, ...]]:
+    """``split`` with ``delta`` samples moved from one rank to another, every way that keeps each rank >= 1."""
+    found = []
+    for give in range(len(split)):
+        for take in range(len(split)):
+            if give != take and split[give] - delta >= 1:
+                moved = list(split)
+                moved[give] -= delta
+                moved[take] += delta
+                found.append(tuple(moved))
+    return found
+
+
+def find_best_fixed_split(
+    measure: Any, global_batch: int, world: int, finest: int = 1
+) -> tuple[tuple[int, ...], float, dict[tuple[int, ...], float]]:
+    """Pattern search over fixed splits of ``global_batch``: from the even split, move ``delta`` samples
+    between two ranks while that is faster, then halve ``delta`` (a quarter of a rank's share first),
+    down to ``finest``. ``measure(split)`` returns samples/s; each split is measured once.
+
+    Returns the best split, its samples/s and every split measured.
+    """
+    base, extra = divmod(global_batch, world)
+    best = tuple(base + (1 if r < extra else 0) for r in range(world))
+    measured: dict[tuple[int, ...], float] = {best: measure(best)}
+    delta = max(finest, global_batch // (4 * world))
+    while True:
+        improved = True
+        while improved:
+            improved = False
+            for split in neighbour_splits(best, delta):
+                if split not in measured:
+                    measured[split] = measure(split)
+                if measured[split] > measured[best]:
+                    best, improved = split, True
+        if delta <= finest:
+            return best, measured[best], measured
+        delta = max(finest, delta // 2)
 
 
 def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
@@ -76,6 +134,39 @@ def _ratio_after(result: RunResult, step: int) -> float:
 
 
 def run_balance(args: argparse.Namespace) -> None:
+    world = len(args.speeds)
+    half = args.steps // 2
+    oracle = None
+    if args.oracle:
+
+        def measure(split: tuple[int, ...]) -> float:
+            fixed = RunConfig(
+                controller="static",
+                speeds=args.speeds,
+                batch_sizes=split,
+                epochs=1000,
+                max_steps=args.steps,
+                interval=args.interval,
+                hidden=args.hidden,
+                schedule=args.schedule,
+                val_checks_per_epoch=1,
+            )
+            result = run(fixed, on_every_rank=True)  # every rank takes the search's next step
+            assert result is not None
+            value = samples_per_second(result, half)
+            if is_launcher_rank_zero():
+                print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
+            return value
+
+        finest = args.oracle_finest or max(1, args.batch_size * world // 64)
+        if finest < 1:
+            raise SystemExit(f"--oracle-finest must be >= 1, got {args.oracle_finest}")
+        best, best_rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, finest)
+        oracle = {
+            "best_split": list(best),
+            "best_samples_per_second": best_rate,
+            "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
+        }
     config = RunConfig(
         controller=args.controller,
         speeds=args.speeds,
@@ -90,7 +181,6 @@ def run_balance(args: argparse.Namespace) -> None:
     result = run(config)
     if not is_launcher_rank_zero() or result is None:
         return
-    half = args.steps // 2
     change = args.schedule[0][0] if args.schedule else None
     summary: dict[str, Any] = {
         "benchmark": "balance",
@@ -99,6 +189,11 @@ def run_balance(args: argparse.Namespace) -> None:
         "throughput_to_ideal_second_half": _ratio_after(result, half),
         "throughput_to_ideal_all": result.throughput_to_ideal,
         "final_batch_sizes": result.intervals[-1]["next_batch_sizes"] if result.intervals else None,
+        "samples_per_second_second_half": samples_per_second(result, half),
+        "oracle": oracle,
+        "fraction_of_best_fixed_split": None
+        if oracle is None
+        else samples_per_second(result, half) / oracle["best_samples_per_second"],
         "settling_intervals": None if change is None else settling_intervals(result, change),
         "throughput_to_ideal_after_settling": None,
         "intervals": result.intervals,
@@ -125,6 +220,13 @@ def run_balance(args: argparse.Namespace) -> None:
         sizes = ",".join(map(str, i["batch_sizes"]))
         print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
     print(f"throughput / ideal, median over the second half: {summary['throughput_to_ideal_second_half']:.3f}")
+    if oracle is not None:
+        print(
+            f"best fixed split {','.join(map(str, oracle['best_split']))} of {len(oracle['measured'])} measured:"
+            f" {oracle['best_samples_per_second']:.1f} samples/s; {args.controller} over the second half"
+            f" {summary['samples_per_second_second_half']:.1f} samples/s ="
+            f" {summary['fraction_of_best_fixed_split']:.3f} of it"
+        )
     if change is not None:
         print(
             f"after the speed change at step {change}: settled in {summary['settling_intervals']} decision(s);"

@@ -64,6 +64,27 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     assert 0 < result["throughput_to_ideal_second_half"] <= 1.05
 
 
+def test_bench_balance_with_the_oracle_measures_fixed_splits_first_and_reports_the_controller_against_the_best(
+    tmp_path,
+):
+    out = tmp_path / "balance.json"
+    printed = dynamix(
+        "bench", "balance", "--speeds", "1,3", "--steps", "10", "--batch-size", "16", "--interval", "5",
+        "--oracle", "--oracle-finest", "4", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    oracle = result["oracle"]
+    splits = [tuple(m["split"]) for m in oracle["measured"]]
+    assert splits[0] == (16, 16)  # the search starts from the even split
+    assert len(splits) == len(set(splits)) >= 3
+    assert all(sum(split) == 32 for split in splits)
+    assert oracle["best_samples_per_second"] == max(m["samples_per_second"] for m in oracle["measured"])
+    assert result["fraction_of_best_fixed_split"] == pytest.approx(
+        result["samples_per_second_second_half"] / oracle["best_samples_per_second"]
+    )
+    assert "best fixed split" in printed
+
+
 def test_bench_tta_compares_controllers_on_another_model_family_with_a_mid_run_slowdown(tmp_path):
     out = tmp_path / "tta.json"
     dynamix(

@@ -1,0 +1,46 @@
+"""The best fixed split that ``dynamix bench balance --oracle`` measures controllers against."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_dynamix.bench.heterogeneity import find_best_fixed_split, neighbour_splits
+
+
+def affine_cluster(speeds, fixed=0.0):
+    """Samples/s of a split when rank r takes ``fixed + size / speeds[r]`` s and a step waits for the slowest."""
+
+    def measure(split):
+        measure.calls.append(split)
+        return sum(split) / max(fixed + size / speed for size, speed in zip(split, speeds, strict=True))
+
+    measure.calls = []
+    return measure
+
+
+def test_neighbours_move_delta_samples_between_two_ranks_and_keep_each_rank_at_one_or_more():
+    assert sorted(neighbour_splits((4, 2), 2)) == [(2, 4)]
+    assert sorted(neighbour_splits((3, 3, 3), 1)) == sorted(
+        [(2, 4, 3), (2, 3, 4), (4, 2, 3), (3, 2, 4), (4, 3, 2), (3, 4, 2)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("speeds", "expected"),
+    [((1.0, 3.0), (16, 48)), ((1.0, 1.0), (32, 32)), ((1.0, 2.0, 5.0), (8, 16, 40))],
+)
+def test_the_search_finds_the_split_that_equalises_the_ranks_and_measures_each_split_once(speeds, expected):
+    measure = affine_cluster(speeds)
+    best, rate, measured = find_best_fixed_split(measure, 64, len(speeds))
+    assert best == expected
+    assert rate == pytest.approx(64 / (expected[0] / speeds[0]))
+    assert len(measure.calls) == len(set(measure.calls)) == len(measured)
+    assert all(sum(split) == 64 and min(split) >= 1 for split in measured)
+
+
+def test_a_coarser_finest_step_stops_earlier_with_fewer_measurements():
+    fine, coarse = affine_cluster((1.0, 3.0)), affine_cluster((1.0, 3.0))
+    find_best_fixed_split(fine, 256, 2)
+    best, _, _ = find_best_fixed_split(coarse, 256, 2, finest=8)
+    assert len(coarse.calls) < len(fine.calls)
+    assert abs(best[0] - 64) <= 8
