@@ -221,6 +221,16 @@ class PreemptionNotice:
             self._pending = (flag, work)
         return agreed
 
+    def check(self, count: int, interval: int, device: torch.device | None = None) -> float | None:
+        """At every ``interval``-th ``count`` (a step or batch counter, the same on every rank), :meth:`poll`.
+
+        Returns ``None`` while no rank had a notice; once they agree, the ``time.monotonic()`` to
+        count the save from: this process's notice, or now on a rank that had none.
+        """
+        if count % interval or not self.poll(device):
+            return None
+        return self.received_at if self.received_at is not None else time.monotonic()
+
     def finish(self) -> None:
         """Wait for the poll in flight (every rank started it); call it on every rank when training ends."""
         if self._pending is not None and self._pending[1] is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -136,21 +137,22 @@ def _ratio_after(result: RunResult, step: int) -> float:
 def run_balance(args: argparse.Namespace) -> None:
     world = len(args.speeds)
     half = args.steps // 2
+    config = RunConfig(
+        controller=args.controller,
+        speeds=args.speeds,
+        batch_size=args.batch_size,
+        epochs=1000,
+        max_steps=args.steps,
+        interval=args.interval,
+        hidden=args.hidden,
+        schedule=args.schedule,
+        val_checks_per_epoch=1,
+    )
     oracle = None
-    if args.oracle:
+    if args.oracle:  # the same run with fixed splits, measured before the controller's
 
         def measure(split: tuple[int, ...]) -> float:
-            fixed = RunConfig(
-                controller="static",
-                speeds=args.speeds,
-                batch_sizes=split,
-                epochs=1000,
-                max_steps=args.steps,
-                interval=args.interval,
-                hidden=args.hidden,
-                schedule=args.schedule,
-                val_checks_per_epoch=1,
-            )
+            fixed = dataclasses.replace(config, controller="static", batch_sizes=split)
             result = run(fixed, on_every_rank=True)  # every rank takes the search's next step
             assert result is not None
             value = samples_per_second(result, half)
@@ -167,17 +169,6 @@ def run_balance(args: argparse.Namespace) -> None:
             "best_samples_per_second": best_rate,
             "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
         }
-    config = RunConfig(
-        controller=args.controller,
-        speeds=args.speeds,
-        batch_size=args.batch_size,
-        epochs=1000,
-        max_steps=args.steps,
-        interval=args.interval,
-        hidden=args.hidden,
-        schedule=args.schedule,
-        val_checks_per_epoch=1,
-    )
     result = run(config)
     if not is_launcher_rank_zero() or result is None:
         return

@@ -94,14 +94,11 @@ class PreemptionCheckpoint(ModelCheckpoint):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._batches += 1
-        if self._batches % self.check_interval:
-            return
-        agreed_at = time.monotonic()
-        if not self.notice.poll(trainer.strategy.root_device):
+        started = self.notice.check(self._batches, self.check_interval, trainer.strategy.root_device)
+        if started is None:
             return
         path = self.checkpoint_path
         trainer.save_checkpoint(path)  # every rank: rank 0 writes, then all wait for it
-        started = self.notice.received_at if self.notice.received_at is not None else agreed_at
         self.saved_step, self.seconds_to_save = trainer.global_step, time.monotonic() - started
         log.warning(
             "rank %d: preemption notice%s; saved %s at step %d, %.2f s after it; exiting with %d for a restart",

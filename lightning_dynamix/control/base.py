@@ -69,12 +69,12 @@ def regroup_values(values: Sequence[float], previous: Sequence[int | None]) -> l
 
     ``previous[i]`` is the old rank that new rank ``i`` ran as (the same machine), or ``None`` for a
     machine new to the job, which gets the mean of the machines that stayed (of all old ranks when
-    none stayed).
+    none stayed). Check the mapping with :func:`validate_previous` first.
     """
-    kept = [values[p] for p in previous if p is not None and 0 <= p < len(values)]
+    kept = [values[p] for p in previous if p is not None]
     pool = kept or list(values)
     mean = sum(pool) / len(pool) if pool else float("nan")
-    return [values[p] if p is not None and 0 <= p < len(values) else mean for p in previous]
+    return [values[p] if p is not None else mean for p in previous]
 
 
 def validate_previous(previous: Sequence[int | None], old_world_size: int) -> list[int | None]:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, Sampler
 
-from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, validate_batch_sizes
+from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, split_exactly, validate_batch_sizes
 
 _STATE_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: before resuming into another world size (no cut_world_size, schedules from step 0)
@@ -415,21 +415,14 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             schedule = saved
         else:
             regroup = split if split is not None else (lambda total: even_split(total, self.world_size))
-
-            def checked_split(total: int) -> BatchSizes:
-                try:
-                    sizes = validate_batch_sizes(regroup(total), world_size=self.world_size, argument="split sizes")
-                except ValueError as error:
-                    raise ValueError(
-                        f"cannot resume on {self.world_size} ranks what {saved_world} ranks saved: {error}"
-                    ) from None
-                if sum(sizes) != total:
-                    raise ValueError(f"`split({total})` gave {list(sizes)}, which does not sum to {total}")
-                return sizes
-
-            schedule = saved.regrouped(step, checked_split)
-            if next_epoch is not None:
-                next_epoch = checked_split(sum(next_epoch))
+            try:
+                schedule = saved.regrouped(step, regroup, world_size=self.world_size)
+                if next_epoch is not None:
+                    next_epoch = split_exactly(regroup, sum(next_epoch), self.world_size)
+            except ValueError as error:
+                raise ValueError(
+                    f"cannot resume on {self.world_size} ranks what {saved_world} ranks saved: {error}"
+                ) from None
         self.cut_world_size = cut
         self.sampler.set_epoch(int(state_dict["epoch"]))
         self._schedule = schedule

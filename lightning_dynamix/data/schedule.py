@@ -79,6 +79,18 @@ def validate_batch_sizes(
     return sizes
 
 
+def split_exactly(split: Callable[[int], Sequence[int]], total: int, world_size: int | None = None) -> BatchSizes:
+    """``split(total)``, checked: positive ints (``world_size`` of them, when given) that sum to ``total``.
+
+    Raises:
+        ValueError: naming what ``split`` gave and what was expected.
+    """
+    sizes = validate_batch_sizes(split(total), world_size=world_size, argument=f"split({total})")
+    if sum(sizes) != total:
+        raise ValueError(f"`split({total})` gave {list(sizes)}, which does not sum to {total}")
+    return sizes
+
+
 def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
     """Per-rank sizes of the last step of an epoch that takes all ``remaining`` samples.
 
@@ -207,7 +219,12 @@ class EpochSchedule:
         return self._segments[0].start_cursor
 
     def regrouped(
-        self, from_step: int, split: Callable[[int], Sequence[int]], *, cut_world_size: int | None = None
+        self,
+        from_step: int,
+        split: Callable[[int], Sequence[int]],
+        *,
+        world_size: int | None = None,
+        cut_world_size: int | None = None,
     ) -> EpochSchedule:
         """This epoch from ``from_step`` on, split over another number of ranks.
 
@@ -218,7 +235,8 @@ class EpochSchedule:
 
         Raises:
             ValueError: when ``from_step`` lies outside the epoch, or ``split`` gives sizes that
-                are not positive ints or do not sum to the segment's total.
+                are not positive ints, not ``world_size`` of them (when given), or do not sum to the
+                segment's total.
         """
         if not self.first_step <= from_step <= len(self):
             raise ValueError(f"`from_step` must lie in [{self.first_step}, {len(self)}], got {from_step}")
@@ -228,9 +246,7 @@ class EpochSchedule:
         cursor = self.num_samples if from_step == len(self) else self._locate(from_step)[1]
         schedule: EpochSchedule | None = None
         for seg in self._segments[first:]:
-            sizes = validate_batch_sizes(split(seg.total), argument="regrouped batch sizes")
-            if sum(sizes) != seg.total:
-                raise ValueError(f"a regrouped split of {seg.total} samples must sum to it, got {list(sizes)}")
+            sizes = split_exactly(split, seg.total, world_size)
             if schedule is None:
                 schedule = EpochSchedule(self.num_samples, sizes, drop_last=self.drop_last, cut_world_size=cut)
                 schedule._begin_at(from_step, cursor)

@@ -479,15 +479,14 @@ class DynamixAccelerate:
     def _check_preemption(self) -> None:
         """Every few optimizer steps, agree whether any process got a notice; if so save this step and exit."""
         notice = self.preemption
-        if notice is None or self.global_step % self.preemption_check_interval:
+        if notice is None:
             return
-        agreed_at = time.monotonic()
-        if not notice.poll(self.accelerator.device):
+        started = notice.check(self.global_step, self.preemption_check_interval, self.accelerator.device)
+        if started is None:
             return
         assert self.save_on_preemption is not None
         self.accelerator.save_state(self.save_on_preemption)  # every process: each writes its part
         self.accelerator.wait_for_everyone()
-        started = notice.received_at if notice.received_at is not None else agreed_at
         self.seconds_to_save = time.monotonic() - started
         notice.uninstall()
         raise Preempted(self.global_step, self.save_on_preemption)
