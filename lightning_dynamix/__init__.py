@@ -18,7 +18,7 @@ from lightning_dynamix.control import (
     StaticController,
     make_controller,
 )
-from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
+from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader
 from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
@@ -31,6 +31,7 @@ __all__ = [
     "ClusterState",
     "Decision",
     "DynamixCallback",
+    "EmptyBatch",
     "GoodputController",
     "GradientNoiseScale",
     "HeterogeneityEmulator",

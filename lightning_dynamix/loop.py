@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 NAN = float("nan")
 _LOSS_HISTORY = 4  # intervals the loss slope is fitted over
 _OK, _ERROR = 1.0, -1.0
+# a rank the controller keeps at size 0 is probed (given a few samples for one interval) after this many
+# decisions, then after twice as many each time it stays out, up to _PROBE_WAIT_MOST
+_PROBE_WAIT_FIRST = 8
+_PROBE_WAIT_MOST = 128
+_PROBE_SHARE = 0.25  # a probe's size: this fraction of an even share of the global batch
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,8 @@ class IntervalMeter:
         """A batch is over; ``step`` is the optimizer step count after it. True when the interval is due."""
         assert self.clock is not None, "IntervalMeter.start() was not called"
         self.clock.step_end()
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        sat_out = self.clock.last_step is not None and self.clock.last_step.batch_size == 0
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not sat_out:  # no samples, no loss
             # summed on the loss's device: read back once per interval, not once per step
             if self._loss_sum is None:
                 self._loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
@@ -285,6 +291,12 @@ class DecisionMaker:
         """The machine of every rank, in rank order (see :func:`lightning_dynamix.elastic.machine_id`)."""
         self.regrouped_from: list[int | None] | None = None
         """After :meth:`join` found another group: every new rank's old rank, ``None`` for a new machine."""
+        # per rank: decisions kept at size 0 since it last trained, decisions it has trained since it last
+        # sat out, decisions to wait before probing it again, and whether it last came back through a probe
+        self._out_for: list[int] = []
+        self._in_for: list[int] = []
+        self._probe_wait: list[int] = []
+        self._probed: list[bool] = []
 
     def decide(self, state: ClusterState, current: Sequence[int], is_rank_zero: bool, device: torch.device) -> Decision:
         """The decision of this interval on every rank: a collective (one broadcast)."""
@@ -348,10 +360,54 @@ class DecisionMaker:
                 f"the controller decided batch sizes {sizes} for {len(current)} ranks; every size must lie in"
                 f" [{low}, {high if high is not None else 'no limit'}]"
             )
+        sizes = self._probe(current, sizes, low, high)
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
         return Decision(tuple(sizes), lr_scale=scale, from_step=decision.from_step)
+
+    def _probe(self, current: Sequence[int], sizes: list[int], low: int, high: int | None) -> list[int]:
+        """Give a rank kept at size 0 a few samples for one interval now and then, so that it is measured again.
+
+        A rank that sits out is not measured: only a probe shows whether it became fast enough to
+        come back. The first probe comes :data:`_PROBE_WAIT_FIRST` decisions after it left, and the
+        wait doubles each time a probe brings it back for fewer than that many decisions (up to
+        :data:`_PROBE_WAIT_MOST`), so a rank that stays slow costs the job less and less; a rank that
+        trains that long again starts afresh.
+        """
+        n = len(sizes)
+        if len(self._out_for) != n:
+            self._out_for, self._in_for = [0] * n, [0] * n
+            self._probe_wait, self._probed = [_PROBE_WAIT_FIRST] * n, [False] * n
+        total = sum(sizes)
+        probe = max(1, int(_PROBE_SHARE * total / n))
+        if high is not None:
+            probe = min(probe, high)
+        for r in range(n):
+            if sizes[r] > 0:
+                self._out_for[r] = 0
+                self._in_for[r] += 1
+                if self._in_for[r] >= _PROBE_WAIT_FIRST:  # back for good
+                    self._probe_wait[r], self._probed[r] = _PROBE_WAIT_FIRST, False
+                continue
+            if self._probed[r] and self._in_for[r] > 0:  # a probe brought it back only briefly
+                self._probe_wait[r] = min(2 * self._probe_wait[r], _PROBE_WAIT_MOST)
+            self._in_for[r] = 0
+            self._out_for[r] += 1
+            if self._out_for[r] < self._probe_wait[r]:
+                continue
+            # the probe's samples come from the largest ranks, one at a time, within their bounds
+            taken = 0
+            while taken < probe:
+                donors = [i for i in range(n) if i != r and sizes[i] > max(low, 1)]
+                donor = max(donors, key=lambda i: sizes[i], default=None)
+                if donor is None:
+                    break
+                sizes[donor] -= 1
+                taken += 1
+            sizes[r] = taken
+            self._out_for[r], self._probed[r] = 0, taken > 0
+        return sizes
 
     def join(self, machine_ids: Sequence[str]) -> None:
         """The job runs (or resumed) on ranks with these machine ids, in rank order: the same call on every rank.
@@ -397,6 +453,7 @@ class DecisionMaker:
             "base_global_batch": self.base_global_batch,
             "warned_not_finite": self._warned_not_finite,
             "machine_ids": self.machine_ids,
+            "probes": {"out": self._out_for, "in": self._in_for, "wait": self._probe_wait, "probed": self._probed},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -406,6 +463,11 @@ class DecisionMaker:
         self._warned_not_finite = bool(state_dict.get("warned_not_finite", False))
         saved = state_dict.get("machine_ids")
         self.machine_ids = None if saved is None else [str(i) for i in saved]
+        probes = state_dict.get("probes", {})
+        self._out_for = [int(v) for v in probes.get("out", [])]
+        self._in_for = [int(v) for v in probes.get("in", [])]
+        self._probe_wait = [int(v) for v in probes.get("wait", [])]
+        self._probed = [bool(v) for v in probes.get("probed", [])]
 
 
 def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[str, float]:
@@ -448,7 +510,8 @@ def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[
 
 
 def _weighted_loss(pairs: list[tuple[float, float]]) -> float:
-    """The global loss: ranks' interval means weighted by their batch sizes."""
+    """The global loss: ranks' interval means weighted by their batch sizes (ranks that sat out: none)."""
+    pairs = [(b, v) for b, v in pairs if b > 0]
     finite = [(b, v) for b, v in pairs if math.isfinite(v)]
     if len(finite) != len(pairs) or not finite:
         return NAN

@@ -74,8 +74,8 @@ class DynamixCallback(ClusterMetricsMonitor):
         log_per_rank: bool = True,
         finetune: bool = False,
     ) -> None:
-        require_optional_int("min_batch_size", min_batch_size, 1)
-        require_optional_int("max_batch_size", max_batch_size, min_batch_size or 1, "min_batch_size")
+        require_optional_int("min_batch_size", min_batch_size, 0)
+        require_optional_int("max_batch_size", max_batch_size, max(min_batch_size or 1, 1), "min_batch_size")
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         self.controller, self.controller_name = build_controller(
             controller, controller_kwargs, min_batch_size, max_batch_size, self.lr_scaling, finetune

@@ -35,19 +35,20 @@ def resolve_bounds(
     """Per-rank ``[lower, upper]`` sizes (samples) from a controller's bounds and the state's.
 
     Each rank's range is the intersection of the controller's bound (one int for all ranks or one
-    per rank) with ``state.min_batch_size`` / ``state.max_batch_size`` and with ``>= 1``. Where the
+    per rank; ``None``: no bound of its own) with ``state.min_batch_size`` / ``state.max_batch_size``;
+    a lower bound of 0 lets the controller sit a rank out, an upper bound is at least 1. Where the
     intersection is empty the upper bound wins (it is usually a memory limit): lower = upper.
 
     Raises:
         ValueError: when a per-rank bound does not have one entry per rank.
     """
     n = state.world_size
-    lows = per_rank_bounds(min_batch_size, n, "min_batch_size", 1)
+    lows = per_rank_bounds(min_batch_size, n, "min_batch_size", 0)
     highs = per_rank_bounds(max_batch_size, n, "max_batch_size", None)
     lower: list[int] = []
     upper: list[int | None] = []
     for low, high in zip(lows, highs):
-        lo = max(1, int(low or 1), int(state.min_batch_size))
+        lo = max(0, int(low or 0), int(state.min_batch_size))
         caps = [int(c) for c in (high, state.max_batch_size) if c is not None]
         hi = max(1, min(caps)) if caps else None
         if hi is not None and lo > hi:
@@ -156,19 +157,19 @@ def own_busy_time(worker: WorkerMetrics) -> float:
     return worker.compute_time + data
 
 
-def validate_bound(value: object, name: str, *, allow_none: bool) -> int | tuple[int, ...] | None:
-    """Check a batch-size bound given as one int >= 1, one int >= 1 per rank, or (if allowed) ``None``."""
+def validate_bound(value: object, name: str, *, allow_none: bool, low: int = 1) -> int | tuple[int, ...] | None:
+    """Check a batch-size bound given as one int >= ``low``, one per rank, or (if allowed) ``None``."""
     if value is None and allow_none:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
-        if value < 1:
-            raise ValueError(f"`{name}` must be an int >= 1 (samples), got {value!r}.")
+        if value < low:
+            raise ValueError(f"`{name}` must be an int >= {low} (samples), got {value!r}.")
         return value
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0:
         values = tuple(value)
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in values):
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in values):
             return values
-    what = "an int >= 1 or one int >= 1 per rank" + (", or None for no limit" if allow_none else "")
+    what = f"an int >= {low} or one int >= {low} per rank" + (", or None for no limit" if allow_none else "")
     raise ValueError(f"`{name}` must be {what}, got {value!r}.")
 
 

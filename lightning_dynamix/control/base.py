@@ -15,7 +15,8 @@ class Decision:
     """What a controller decided at one decision point.
 
     Attributes:
-        batch_sizes: the new batch size of every rank, in rank order (samples).
+        batch_sizes: the new batch size of every rank, in rank order (samples); 0 for a rank that
+            sits out (within ``min_batch_size=0``), and at least one rank trains.
         lr_scale: factor for the learning rate relative to the one the job started with
             (1.0: unchanged); set by the learning-rate scaling rule when the global batch changes.
         from_step: the step of the epoch the sizes apply from; ``None`` for the first step no
@@ -28,8 +29,10 @@ class Decision:
 
     def __post_init__(self) -> None:
         sizes = tuple(self.batch_sizes)
-        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
-            raise ValueError(f"`batch_sizes` must be one int >= 1 per rank, got {self.batch_sizes!r}")
+        if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes) or not sum(sizes):
+            raise ValueError(
+                f"`batch_sizes` must be one int >= 0 per rank, at least one of them >= 1, got {self.batch_sizes!r}"
+            )
         object.__setattr__(self, "batch_sizes", sizes)
         if not (math.isfinite(self.lr_scale) and self.lr_scale > 0):
             raise ValueError(f"`lr_scale` must be a finite number > 0, got {self.lr_scale!r}")

@@ -143,8 +143,9 @@ class GoodputController:
         min_global_batch: smallest global batch to consider, samples; ``None`` for ``B0``.
         max_global_batch: largest global batch to consider, samples; ``None`` for ``8 * B0``.
             Both are further limited by the per-rank bounds times the world size.
-        min_batch_size: smallest size of a rank, samples: one int for all ranks or one per rank.
-            Intersected with ``ClusterState.min_batch_size``.
+        min_batch_size: smallest size of a rank, samples: one int for all ranks, one per rank, or
+            ``None`` (default) for the state's alone. Intersected with ``ClusterState.min_batch_size``
+            (the strategy's); 0 lets the controller sit a rank out.
         max_batch_size: largest size of a rank, samples: one int, one per rank, or ``None`` for no
             limit. Intersected with ``ClusterState.max_batch_size``.
         window: observations per rank the step-time model is fitted on, >= 2.
@@ -163,7 +164,7 @@ class GoodputController:
         base_batch_size: int | None = None,
         min_global_batch: int | None = None,
         max_global_batch: int | None = None,
-        min_batch_size: int | Sequence[int] = 1,
+        min_batch_size: int | Sequence[int] | None = None,
         max_batch_size: int | Sequence[int] | None = None,
         window: int = 8,
         grid_points: int = 32,
@@ -182,7 +183,7 @@ class GoodputController:
                 f"`min_global_batch` must be <= `max_global_batch`, got min_global_batch={self.min_global_batch}"
                 f" and max_global_batch={self.max_global_batch}."
             )
-        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=True, low=0)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
         self.window = require_int("window", window, 2)
@@ -204,7 +205,10 @@ class GoodputController:
         if any(not (math.isfinite(t) and t > 0) for t in busy):
             return self._decision(current, noise)
         self._observe(current, busy)
-        models = [fit_step_time(obs) for obs in self._observations]
+        known = [fit_step_time(obs) for obs in self._observations if obs]
+        # a rank never seen training (it sat out from the start) is taken for an average one
+        unknown = (0.0, statistics.mean(beta for _, beta in known))
+        models = [fit_step_time(obs) if obs else unknown for obs in self._observations]
         alphas = [a for a, _ in models]
         betas = [b for _, b in models]
         comm = [w.comm_time for w in state.workers if math.isfinite(w.comm_time) and w.comm_time >= 0]
@@ -213,7 +217,8 @@ class GoodputController:
         noise_known = math.isfinite(noise) and noise >= 0
 
         def goodput(sizes: Sequence[int]) -> float:
-            step = max(alphas[i] + betas[i] * sizes[i] for i in range(n)) + overhead
+            # a rank that sits out (size 0) costs the step nothing
+            step = max(alphas[i] + betas[i] * sizes[i] for i in range(n) if sizes[i] > 0) + overhead
             efficiency = statistical_efficiency(sum(sizes), base, noise) if noise_known else 1.0
             return sum(sizes) / step * efficiency
 
@@ -234,6 +239,8 @@ class GoodputController:
         if len(self._observations) != len(sizes):  # another group without regroup(): nothing carries over
             self._observations = [[] for _ in sizes]
         for obs, b, t in zip(self._observations, sizes, times):
+            if b == 0:
+                continue  # a rank that sat out: its model stays what its last samples showed
             if obs:
                 alpha, beta = fit_step_time(obs)
                 predicted = alpha + beta * b

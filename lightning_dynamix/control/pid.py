@@ -140,8 +140,9 @@ class PIDController:
         dead_band: keep the current sizes exactly when every rank's relative change
             ``|b' - b| / b`` would be below this, in ``[0, 1)``. Absorbs measurement noise, so
             sizes stop changing once balanced.
-        min_batch_size: smallest size of a rank, samples: one int for all ranks or one per rank.
-            Intersected with ``ClusterState.min_batch_size``.
+        min_batch_size: smallest size of a rank, samples: one int for all ranks, one per rank, or
+            ``None`` (default) for the state's alone. Intersected with ``ClusterState.min_batch_size``
+            (the strategy's); 0 lets the controller sit a rank out.
         max_batch_size: largest size of a rank, samples: one int, one per rank, or ``None`` for no
             limit. Intersected with ``ClusterState.max_batch_size``.
         global_batch_size: the global batch to keep, samples; ``None`` keeps the current one
@@ -169,7 +170,7 @@ class PIDController:
         smoothing: float = 0.5,
         restart_threshold: float | None = 0.5,
         dead_band: float = 0.1,
-        min_batch_size: int | Sequence[int] = 1,
+        min_batch_size: int | Sequence[int] | None = None,
         max_batch_size: int | Sequence[int] | None = None,
         global_batch_size: int | None = None,
         max_change: float | None = None,
@@ -186,7 +187,7 @@ class PIDController:
             )
         self.restart_threshold = restart_threshold
         self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
-        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=True, low=0)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
         if global_batch_size is not None and (
@@ -269,7 +270,7 @@ class PIDController:
         feasible = sum(current) == sum(proposal) and all(
             lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper)
         )
-        if feasible and all(abs(x - b) / b < self.dead_band for x, b in zip(split, current)):
+        if feasible and all(abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current)):
             self._last_step = None
             self._integral = [0.0] * n
             return self._decision(current, state)

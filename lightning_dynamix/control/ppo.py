@@ -41,7 +41,8 @@ class PPOController:
             policy that ships with the package, or a loaded :class:`~lightning_dynamix.rl.files.PolicyFile`.
         deterministic: take each rank's most likely action (the default); ``False`` samples
             actions (seeded by ``seed``), which explores.
-        min_batch_size: the smallest size any rank may be given, or one per rank.
+        min_batch_size: the smallest size any rank may be given, or one per rank; ``None`` (default)
+            for the state's alone (the strategy's); 0 lets a rank sit out.
         max_batch_size: the largest size any rank may be given, or one per rank; ``None`` for the
             state's bound only. Give the ranks' memory limits here: the policy cannot know them.
         seed: seeds sampled actions.
@@ -63,7 +64,7 @@ class PPOController:
         self,
         policy: str | Path | PolicyFile = "default",
         deterministic: bool = True,
-        min_batch_size: int | tuple[int, ...] = 1,
+        min_batch_size: int | tuple[int, ...] | None = None,
         max_batch_size: int | tuple[int, ...] | None = None,
         seed: int = 0,
         finetune: bool = False,
@@ -75,7 +76,7 @@ class PPOController:
             raise ValueError(f"`finetune` must be True or False, got {finetune!r}")
         if finetune_kwargs and not finetune:
             raise ValueError(f"`finetune_kwargs` {finetune_kwargs!r} given without finetune=True")
-        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=False)
+        self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=True, low=0)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
         if isinstance(policy, PolicyFile):

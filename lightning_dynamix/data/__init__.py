@@ -7,7 +7,7 @@ from lightning_dynamix.data.ctr import (
     CTRSpec,
     SyntheticCTRDataset,
 )
-from lightning_dynamix.data.loader import HeterogeneousDataLoader
+from lightning_dynamix.data.loader import EmptyBatch, HeterogeneousDataLoader
 from lightning_dynamix.data.sampler import EpochPermutation, HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import EpochSchedule, final_step_sizes, validate_batch_sizes
 from lightning_dynamix.data.synthetic import SyntheticClassificationDataset
@@ -26,6 +26,7 @@ __all__ = [
     "CTRSpec",
     "ClassificationDataModule",
     "ClassificationTask",
+    "EmptyBatch",
     "EpochPermutation",
     "EpochSchedule",
     "GaussianMixtureClassificationDataset",

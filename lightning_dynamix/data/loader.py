@@ -23,6 +23,7 @@ from torch.utils.data import (
     IterableDataset,
     RandomSampler,
     SequentialSampler,
+    default_collate,
 )
 
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
@@ -30,6 +31,41 @@ from lightning_dynamix.data.schedule import BatchSizes, validate_batch_sizes
 
 if TYPE_CHECKING:
     from lightning_dynamix.metrics.timers import StepClock
+
+
+class EmptyBatch:
+    """The batch a rank gets at a step it sits out (its batch size is 0): no samples, ``len() == 0``.
+
+    :class:`HeterogeneousDataLoader` hands it out instead of calling the collate function on an
+    empty list of samples. ``HeterogeneousDDPStrategy`` does not call ``training_step`` with it,
+    and under Accelerate :meth:`DynamixAccelerate.sits_out` tells the loop to skip the forward pass.
+    """
+
+    __slots__ = ()
+
+    def __len__(self) -> int:
+        return 0
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EmptyBatch)
+
+    def __hash__(self) -> int:
+        return hash(EmptyBatch)
+
+    def __repr__(self) -> str:
+        return "EmptyBatch()"
+
+
+class _CollateOrEmpty:
+    """A collate function that gives :class:`EmptyBatch` for no samples (picklable, for worker processes)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list[Any]) -> Any:
+        if len(samples) == 0:
+            return EmptyBatch()
+        return self.collate_fn(samples)
 
 
 class _StepCountingIterator(Iterator[Any]):
@@ -61,6 +97,8 @@ class _StepCountingIterator(Iterator[Any]):
 class HeterogeneousDataLoader(DataLoader):
     """A ``DataLoader`` driven by a :class:`HeterogeneousBatchSampler`.
 
+    At a step where this rank's batch size is 0 it hands out an :class:`EmptyBatch`.
+
     Args:
         dataset: a map-style dataset.
         batch_sampler: the sampler that decides this rank's batches.
@@ -73,6 +111,9 @@ class HeterogeneousDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, batch_sampler: HeterogeneousBatchSampler, **kwargs: Any) -> None:
         if not isinstance(batch_sampler, HeterogeneousBatchSampler):
             raise ValueError(f"`batch_sampler` must be a HeterogeneousBatchSampler, got {type(batch_sampler).__name__}")
+        collate_fn = kwargs.get("collate_fn") or default_collate
+        if not isinstance(collate_fn, _CollateOrEmpty):
+            kwargs["collate_fn"] = _CollateOrEmpty(collate_fn)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         batch_sampler._counts_consumption = True
         self._current_step = -1

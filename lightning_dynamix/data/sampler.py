@@ -134,7 +134,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
 
     Args:
         data_source: a map-style dataset (anything with ``__len__``) or the number of samples.
-        batch_sizes: one positive int per rank, the samples each rank takes per step.
+        batch_sizes: one int per rank, the samples each rank takes per step; 0 for a rank that
+            sits steps out (it gets empty batches; the loader hands out :class:`EmptyBatch`), and
+            at least one rank must train.
         rank: this process's rank; read from ``torch.distributed`` when omitted.
         world_size: the number of ranks; read from ``torch.distributed`` when omitted.
         shuffle: draw a new order every epoch (seeded with ``seed + epoch``); else dataset order.
@@ -148,7 +150,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
     arguments, in the same order relative to the steps it has produced.
 
     Raises:
-        ValueError: on sizes that are not positive ints, a count of sizes other than the world
+        ValueError: on sizes that are not ints >= 0 or all 0, a count of sizes other than the world
             size, an iterable-style or empty dataset, or a dataset smaller than one global batch.
     """
 
@@ -164,7 +166,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
     ) -> None:
         num_samples = _dataset_length(data_source)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
         if num_samples < sum(sizes):
             raise ValueError(
                 f"`data_source` has {num_samples} samples, fewer than one global batch: `batch_sizes`"
@@ -264,7 +266,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """Use ``batch_sizes`` from ``from_step`` of the current epoch on.
 
         Args:
-            batch_sizes: one positive int per rank; their sum must not exceed the dataset.
+            batch_sizes: one int >= 0 per rank, not all 0; their sum must not exceed the dataset.
             from_step: the first step to use them; default :attr:`next_step`, the first step not
                 yet produced. Steps already produced (prefetched by DataLoader workers, say) keep
                 their sizes. A step at or past the end of the epoch means: from the next epoch.
@@ -275,7 +277,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         A later call replaces any change scheduled at or after its own ``from_step``.
         """
         self._sync_epoch()
-        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
         if sum(sizes) > self.num_samples:
             raise ValueError(
                 f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}, more than the {self.num_samples}"

@@ -22,6 +22,9 @@ its slice in rank order. The last step of an epoch is special:
     in proportion to ``b_r - 1`` by largest remainders. No rank gets more than ``b_r``.
 
   So every rank gets at least one sample at every step and every sample is used exactly once.
+  A rank whose size is 0 (it sits out, see ``min_batch_size=0``) keeps 0 in the final step as
+  well: the extra samples go to the ranks that train, so one of them may get more than one
+  sample above its size.
 * ``drop_last=True``: only full steps; the fewer than ``sum(b)`` samples left at the end of an
   epoch are skipped in that epoch.
 
@@ -48,21 +51,24 @@ def validate_batch_sizes(
 ) -> BatchSizes:
     """Check per-rank batch sizes and return them as a tuple of ints.
 
+    A size of 0 (a rank that sits the step out) is valid only with ``min_batch_size=0``, and at
+    least one rank must train.
+
     Raises:
         ValueError: naming ``argument``, the value and what is valid, when the sizes are not a
-            sequence of positive ints, their count is not ``world_size`` or a size lies outside
-            ``[min_batch_size, max_batch_size]``.
+            sequence of ints >= 0, their count is not ``world_size``, a size lies outside
+            ``[min_batch_size, max_batch_size]`` or every size is 0.
     """
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence):
-        raise ValueError(f"`{argument}` must be a list with one positive int per rank, got {batch_sizes!r}.")
+        raise ValueError(f"`{argument}` must be a list with one int per rank (samples per step), got {batch_sizes!r}.")
     sizes = tuple(batch_sizes)
     if not sizes:
-        raise ValueError(f"`{argument}` must hold one positive int per rank, got an empty list.")
-    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 1]
+        raise ValueError(f"`{argument}` must hold one int per rank (samples per step), got an empty list.")
+    bad = [s for s in sizes if isinstance(s, bool) or not isinstance(s, int) or s < 0]
     if bad:
         raise ValueError(
-            f"`{argument}` must hold positive ints (samples per rank per step), got {list(sizes)!r}:"
-            f" {bad[0]!r} is not a positive int."
+            f"`{argument}` must hold ints >= 0 (samples per rank per step), got {list(sizes)!r}:"
+            f" {bad[0]!r} is not an int >= 0."
         )
     if world_size is not None and len(sizes) != world_size:
         raise ValueError(
@@ -72,20 +78,23 @@ def validate_batch_sizes(
     out_of_bounds = [s for s in sizes if s < min_batch_size or (max_batch_size is not None and s > max_batch_size)]
     if out_of_bounds:
         upper = "inf" if max_batch_size is None else str(max_batch_size)
+        hint = " (min_batch_size=0 lets a rank sit steps out)" if min_batch_size > 0 and min(sizes) == 0 else ""
         raise ValueError(
             f"`{argument}` must lie within [min_batch_size, max_batch_size] = [{min_batch_size}, {upper}],"
-            f" got {list(sizes)!r}."
+            f" got {list(sizes)!r}{hint}."
         )
+    if sum(sizes) == 0:
+        raise ValueError(f"`{argument}` gives every rank 0 samples, got {list(sizes)!r}: at least one rank must train.")
     return sizes
 
 
 def split_exactly(split: Callable[[int], Sequence[int]], total: int, world_size: int | None = None) -> BatchSizes:
-    """``split(total)``, checked: positive ints (``world_size`` of them, when given) that sum to ``total``.
+    """``split(total)``, checked: ints >= 0 (``world_size`` of them, when given) that sum to ``total``.
 
     Raises:
         ValueError: naming what ``split`` gave and what was expected.
     """
-    sizes = validate_batch_sizes(split(total), world_size=world_size, argument=f"split({total})")
+    sizes = validate_batch_sizes(split(total), world_size=world_size, argument=f"split({total})", min_batch_size=0)
     if sum(sizes) != total:
         raise ValueError(f"`split({total})` gave {list(sizes)}, which does not sum to {total}")
     return sizes
@@ -94,32 +103,35 @@ def split_exactly(split: Callable[[int], Sequence[int]], total: int, world_size:
 def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
     """Per-rank sizes of the last step of an epoch that takes all ``remaining`` samples.
 
-    ``remaining`` must be at least ``world_size``; past ``sum(batch_sizes)`` the extra samples go
-    one each to the largest sizes, round after round.
+    Ranks with size 0 sit this step out too. ``remaining`` must be at least the number of ranks
+    that train; past ``sum(batch_sizes)`` the extra samples go one each to the largest sizes,
+    round after round.
     """
-    world_size = len(batch_sizes)
+    training = [r for r, b in enumerate(batch_sizes) if b > 0]
     total = sum(batch_sizes)
-    if remaining < world_size:
-        raise ValueError(f"a final step must hold at least {world_size} samples (one per rank), got {remaining}")
+    if remaining < len(training):
+        raise ValueError(
+            f"a final step must hold at least {len(training)} samples (one per rank that trains), got {remaining}"
+        )
     if remaining >= total:
-        rounds, extra = divmod(remaining - total, world_size)
+        rounds, extra = divmod(remaining - total, len(training))
         # one extra sample each to the ranks with the largest sizes, lower rank first on ties
-        order = sorted(range(world_size), key=lambda r: (-batch_sizes[r], r))
-        sizes = [b + rounds for b in batch_sizes]
+        order = sorted(training, key=lambda r: (-batch_sizes[r], r))
+        sizes = [b + rounds if b > 0 else 0 for b in batch_sizes]
         for r in order[:extra]:
             sizes[r] += 1
         return tuple(sizes)
     # a short tail: one sample each, the rest in proportion to b_r - 1 (so no rank exceeds b_r)
-    rest = remaining - world_size
-    weights = [b - 1 for b in batch_sizes]
-    weight_sum = total - world_size  # > 0 here, since remaining < total
+    rest = remaining - len(training)
+    weights = [max(b - 1, 0) for b in batch_sizes]
+    weight_sum = total - len(training)  # > 0 here, since remaining < total
     shares = [rest * w // weight_sum for w in weights]
     fractions = [rest * w % weight_sum for w in weights]
     leftover = rest - sum(shares)
-    order = sorted(range(world_size), key=lambda r: (-fractions[r], r))
+    order = sorted(training, key=lambda r: (-fractions[r], r))
     for r in order[:leftover]:
         shares[r] += 1
-    return tuple(1 + s for s in shares)
+    return tuple(1 + s if b > 0 else 0 for s, b in zip(shares, batch_sizes, strict=True))
 
 
 @dataclass(frozen=True)
@@ -149,7 +161,7 @@ class EpochSchedule:
     def __init__(
         self, num_samples: int, batch_sizes: BatchSizes, *, drop_last: bool = False, cut_world_size: int | None = None
     ) -> None:
-        sizes = validate_batch_sizes(batch_sizes)
+        sizes = validate_batch_sizes(batch_sizes, min_batch_size=0)
         if num_samples < sum(sizes):
             raise ValueError(
                 f"the dataset ({num_samples} samples) is smaller than one global batch"
@@ -235,7 +247,7 @@ class EpochSchedule:
 
         Raises:
             ValueError: when ``from_step`` lies outside the epoch, or ``split`` gives sizes that
-                are not positive ints, not ``world_size`` of them (when given), or do not sum to the
+                are not ints >= 0, not ``world_size`` of them (when given), or do not sum to the
                 segment's total.
         """
         if not self.first_step <= from_step <= len(self):
@@ -316,7 +328,7 @@ class EpochSchedule:
 
         Returns False, changing nothing, when ``from_step`` is at or past the end of this epoch.
         """
-        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size)
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
         if from_step < self.first_step:
             raise ValueError(f"`from_step` must be >= {self.first_step}, got {from_step}")
         if sum(sizes) > self.num_samples:

@@ -9,6 +9,7 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
+from lightning_dynamix.distributed.sit_out import TrainingRanksGroups, zero_gradient_loss
 from lightning_dynamix.distributed.weighting import (
     LossReduction,
     SyncWindowWeighting,
@@ -20,6 +21,7 @@ __all__ = [
     "BucketNorms",
     "LossReduction",
     "SyncWindowWeighting",
+    "TrainingRanksGroups",
     "WeightedAllReduceState",
     "broadcast_floats",
     "gather_floats",
@@ -30,4 +32,5 @@ __all__ = [
     "validate_loss_reduction",
     "weighted_allreduce_hook",
     "weighted_mean_all_reduce",
+    "zero_gradient_loss",
 ]

@@ -39,15 +39,17 @@ def let_backend_threads_finish_at_exit() -> None:
         _exit_handler_registered = True
 
 
-def weighted_mean_all_reduce(tensor: torch.Tensor, weight: float) -> torch.Tensor:
-    """The weighted mean of ``tensor`` over all ranks: ``sum_r weight_r * tensor_r``.
+def weighted_mean_all_reduce(
+    tensor: torch.Tensor, weight: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The weighted mean of ``tensor`` over the ranks of ``group`` (default: all): ``sum_r weight_r * tensor_r``.
 
-    The weights must sum to one over the ranks (``b_r / sum(b)`` for per-sample means).
+    The weights must sum to one over those ranks (``b_r / sum(b)`` for per-sample means).
     Returns a new floating tensor; ``tensor`` is left untouched.
     """
     result = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().double()
     result.mul_(weight)
-    dist.all_reduce(result, op=dist.ReduceOp.SUM)
+    dist.all_reduce(result, op=dist.ReduceOp.SUM, group=group)
     return result
 
 

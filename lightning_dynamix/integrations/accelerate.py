@@ -31,6 +31,11 @@ for epoch in range(epochs):
         optimizer.zero_grad()
         dynamix.step(loss)  # measures; every `interval` steps decides (with a controller)
 ```
+
+With ``min_batch_size=0`` a rank can be given 0 samples: its loader hands out an
+:class:`~lightning_dynamix.data.EmptyBatch` and the loop back-propagates :meth:`~DynamixAccelerate.zero_loss`
+instead of a forward pass (``loss = dynamix.zero_loss() if dynamix.sits_out else ...``): the rank joins the
+all-reduce with a zero gradient of weight 0, and every rank takes the same optimizer step.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from lightning_dynamix.distributed import (
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
     weighted_allreduce_hook,
+    zero_gradient_loss,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, ResumeWeights, gather_machine_ids, resume_sampler
@@ -152,8 +158,9 @@ class DynamixAccelerate:
             with two or more processes).
         batch_sizes: samples per step of every rank, one per process; ``None`` gives every rank the
             training DataLoader's ``batch_size``.
-        min_batch_size: smallest size a rank may be given (>= 1).
-        max_batch_size: largest size a rank may be given; ``None`` for no limit.
+        min_batch_size: smallest size a rank may be given (>= 0); 0 lets a rank sit steps out
+            (:attr:`sits_out`, :meth:`zero_loss`).
+        max_batch_size: largest size a rank may be given (>= 1); ``None`` for no limit.
         loss_reduction: ``"mean"`` if the training loss averages over the rank's samples (the
             usual case), ``"sum"`` if it sums them.
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
@@ -240,8 +247,10 @@ class DynamixAccelerate:
             )
         self.accelerator = accelerator
         let_backend_threads_finish_at_exit()
-        self.min_batch_size = require_int("min_batch_size", min_batch_size, 1)
-        self.max_batch_size = require_optional_int("max_batch_size", max_batch_size, min_batch_size, "min_batch_size")
+        self.min_batch_size = require_int("min_batch_size", min_batch_size, 0)
+        self.max_batch_size = require_optional_int(
+            "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
+        )
         self._initial_sizes: BatchSizes | None = None
         if batch_sizes is not None:
             self._initial_sizes = validate_batch_sizes(
@@ -390,6 +399,24 @@ class DynamixAccelerate:
         self.meter.start(clock, self.accelerator.device, self.global_step)
 
     # ------------------------------------------------------------------ training
+    @property
+    def sits_out(self) -> bool:
+        """Whether this rank's batch size is 0 in the batch being trained (its batch is an ``EmptyBatch``)."""
+        loader = self.train_loader.loader if self.train_loader is not None else None
+        if loader is None or loader.current_step < 0:
+            return False
+        return loader.current_batch_sizes[self.accelerator.process_index] == 0
+
+    def zero_loss(self) -> Tensor:
+        """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.
+
+        Its backward gives every trainable parameter a zero gradient, so the rank joins the
+        all-reduce (with weight 0) without a forward or backward pass of the model.
+        """
+        if not isinstance(self.model, DistributedDataParallel):
+            raise RuntimeError("DynamixAccelerate.zero_loss needs the model from prepare()")
+        return zero_gradient_loss(self.model)
+
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """``accelerator.backward(loss)`` with this rank's gradient weighted by its share of the global batch.
 

@@ -49,7 +49,7 @@ _PADDING_LOGIT = -30.0
 
 
 def balancer(
-    min_batch_size: int | Sequence[int] = 1, max_batch_size: int | Sequence[int] | None = None
+    min_batch_size: int | Sequence[int] | None = None, max_batch_size: int | Sequence[int] | None = None
 ) -> PIDController:
     """The balancer whose proposals a policy adjusts: :class:`PIDController` at its defaults, within the bounds.
 

@@ -13,6 +13,17 @@
 * :meth:`~HeterogeneousDDPStrategy.set_batch_sizes` changes the sizes from an agreed step on all
   ranks, which callbacks use to rebalance a heterogeneous cluster.
 
+With ``min_batch_size=0`` a rank can be given 0 samples: it *sits the step out*. It stays in the
+process group, but ``training_step`` is not called on it: its loader hands out an
+:class:`~lightning_dynamix.data.EmptyBatch`, and the strategy back-propagates a loss of 0 through the
+DDP wrapper instead (a zero gradient, weight 0), so the step costs it neither the model's forward nor
+its backward pass, and the optimizer step is the same on every rank. This needs automatic
+optimisation. Values logged with ``sync_dist=True`` from ``training_step`` are averaged over the ranks
+that train the step; a rank that sits out logs nothing for it (Lightning's loggers write rank 0's
+values, so while rank 0 sits out its ``training_step`` metrics are not written), and an
+epoch-level aggregate with ``sync_dist=True`` needs every rank to have logged it at least once in
+the epoch.
+
 Scalars logged with ``self.log(..., sync_dist=True)`` from ``training_step`` are averaged over
 ranks weighted by each rank's batch size; epoch aggregates are weighted by Lightning itself.
 
@@ -50,6 +61,7 @@ from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
     SyncWindowWeighting,
+    TrainingRanksGroups,
     WeightedAllReduceState,
     let_backend_threads_finish_at_exit,
     report_gradient_norms,
@@ -57,6 +69,7 @@ from lightning_dynamix.distributed import (
     validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
+    zero_gradient_loss,
 )
 from lightning_dynamix.elastic import ResumeWeights, resume_sampler
 from lightning_dynamix.metrics.timers import StepClock
@@ -79,10 +92,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     Args:
         batch_sizes: one initial batch size per rank; default: the training DataLoader's
             ``batch_size`` on every rank.
-        min_batch_size: the smallest size any rank may be given.
-        max_batch_size: the largest size any rank may be given; ``None`` for no limit. (The last
-            step of an epoch may give a rank one sample more; see
-            :mod:`lightning_dynamix.data.schedule`.)
+        min_batch_size: the smallest size any rank may be given; 0 lets a rank sit steps out (see
+            above).
+        max_batch_size: the largest size any rank may be given, at least 1; ``None`` for no limit.
+            (The last step of an epoch may give a rank one sample more, or a few more where ranks
+            sit out; see :mod:`lightning_dynamix.data.schedule`.)
         loss_reduction: ``"mean"`` if the training loss averages over the rank's samples (the
             usual case), ``"sum"`` if it sums over them. The synchronised gradient then equals the
             gradient of the same loss computed by one process on the whole global batch.
@@ -96,12 +110,13 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             owns the communication hook.
 
     Raises:
-        ValueError: at construction, for sizes that are not positive ints or lie outside
-            ``[min_batch_size, max_batch_size]``, bad bounds, an unknown ``loss_reduction`` or an
+        ValueError: at construction, for sizes that are not ints, lie outside
+            ``[min_batch_size, max_batch_size]`` or are all 0, bad bounds, an unknown ``loss_reduction`` or an
             unsupported DDP argument.
         MisconfigurationException: at set-up, for a number of sizes other than the world size,
             an iterable-style dataset, a dataset smaller than one global batch, a custom sampler
-            or batch sampler, or more than one training DataLoader.
+            or batch sampler, more than one training DataLoader, or manual optimisation with
+            ``min_batch_size=0``.
     """
 
     strategy_name = STRATEGY_NAME
@@ -124,8 +139,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                     " weighted all-reduce hook; wrap it with `ddp_comm_wrapper` (e.g. fp16 compression)"
                     f" instead, or use Lightning's DDPStrategy. Got {name}={ddp_kwargs[name]!r}."
                 )
-        require_int("min_batch_size", min_batch_size, 1)
-        require_optional_int("max_batch_size", max_batch_size, min_batch_size, "min_batch_size")
+        require_int("min_batch_size", min_batch_size, 0)
+        require_optional_int(
+            "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
+        )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an int, got {seed!r}")
         self.min_batch_size = min_batch_size
@@ -142,6 +159,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._weighting: SyncWindowWeighting | None = None
         self._train_loader: HeterogeneousDataLoader | None = None
         self._in_training_step = False
+        self._training_ranks = TrainingRanksGroups()
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
@@ -375,9 +393,24 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(combined.flattened)};"
                 " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
             )
+        if self.min_batch_size == 0 and not self.lightning_module.automatic_optimization:
+            raise MisconfigurationException(
+                "HeterogeneousDDPStrategy(min_batch_size=0) needs automatic optimisation: a rank that sits a step"
+                " out does not run training_step, so it could not join the backward passes and optimizer steps a"
+                " manually optimised training_step makes. Use min_batch_size >= 1, or automatic optimisation."
+            )
+
+    def _sits_out(self) -> bool:
+        """Whether this rank's batch size is 0 in the batch being trained."""
+        loader = self._train_loader
+        return loader is not None and loader.current_step >= 0 and loader.current_batch_sizes[self.global_rank] == 0
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sits_out() and isinstance(self.model, DistributedDataParallel):
+            # no samples: a loss of 0 through DDP's forward, so the rank joins the all-reduce with nothing
+            with self.precision_plugin.train_step_context():
+                return zero_gradient_loss(self.model)
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
@@ -439,7 +472,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         loader = self._train_loader
         if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
             sizes = loader.current_batch_sizes
-            result = weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes))
+            # ranks that sit this step out do not run training_step: the others reduce among themselves
+            result = weighted_mean_all_reduce(
+                tensor, sizes[self.global_rank] / sum(sizes), group=self._training_ranks.group(sizes)
+            )
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self._step_clock is not None:  # the wait is not this rank's compute

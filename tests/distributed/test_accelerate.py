@@ -62,6 +62,21 @@ def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_help
         assert sorted(seen) == list(range(NUM_SAMPLES))
 
 
+def test_a_rank_that_sits_steps_out_trains_exactly_like_one_process_on_the_other_ranks_batches(tmp_path, job_helpers):
+    launch("accelerate", tmp_path, "adam", "0", "2", "sit-out")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    steps = [r["steps"] for r in ranks]
+    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, "adam", accumulate=2)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+    assert {(0, 8), (5, 0), (5, 5), (0, 5)} <= set(sizes)
+    for epoch in (0, 1):
+        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+
+
 def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tmp_path, job_helpers):
     launch("accelerate", tmp_path, "sgd", "0", "3")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]

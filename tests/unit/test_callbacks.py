@@ -44,7 +44,7 @@ def model():
         ({"controller": 3}, "`controller` must be one of"),
         ({"interval": 0}, "`interval` must be an int >= 1"),
         ({"warmup_steps": -1}, "`warmup_steps` must be an int >= 0"),
-        ({"min_batch_size": 0}, "`min_batch_size`"),
+        ({"min_batch_size": -1}, "`min_batch_size`"),
         ({"min_batch_size": 64, "max_batch_size": 32}, r"`max_batch_size` must be None or an int >= min_batch_size"),
         ({"lr_scaling": "cubic"}, "lr_scaling"),
         ({"controller": StaticController(), "controller_kwargs": {"kp": 1.0}}, "controller_kwargs"),

@@ -381,7 +381,7 @@ def test_adascale_limits_and_unknown_noise_scale():
         (lambda: PIDController(dead_band=1.0), "dead_band"),
         (lambda: PIDController(restart_threshold=0.0), "restart_threshold"),
         (lambda: PIDController(dead_band=-0.1), "dead_band"),
-        (lambda: PIDController(min_batch_size=0), "min_batch_size"),
+        (lambda: PIDController(min_batch_size=-1), "min_batch_size"),
         (lambda: PIDController(max_batch_size=[8, 0]), "max_batch_size"),
         (lambda: PIDController(min_batch_size=64, max_batch_size=32), "min_batch_size"),
         (lambda: PIDController(min_batch_size=[8, 64], max_batch_size=[16, 32]), "min_batch_size"),

@@ -108,10 +108,11 @@ def test_later_change_replaces_changes_scheduled_after_it():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ([0, 2], "positive ints"),
-        ([2, 2.5], "positive ints"),
-        ([True, 2], "positive ints"),
-        ("22", "one positive int per rank"),
+        ([-1, 2], "ints >= 0"),
+        ([0, 2], "min_batch_size=0 lets a rank sit steps out"),
+        ([2, 2.5], "ints >= 0"),
+        ([True, 2], "ints >= 0"),
+        ("22", "one int per rank"),
         ([], "empty"),
         ([2, 2, 2], "world size is 2"),
         ([2, 9], r"\[1, 8\]"),

@@ -72,10 +72,13 @@ def fit(model, strategy, **kwargs):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"batch_sizes": [0]}, "`batch_sizes`.*positive ints"),
+        ({"batch_sizes": [-2]}, "`batch_sizes`.*ints >= 0"),
+        ({"batch_sizes": [0, 4]}, r"`batch_sizes`.*\[1, inf\].*min_batch_size=0 lets a rank sit steps out"),
+        ({"batch_sizes": [0, 0], "min_batch_size": 0}, "`batch_sizes` gives every rank 0 samples"),
+        ({"min_batch_size": 0, "max_batch_size": 0}, "`max_batch_size`.*>= 1"),
         ({"batch_sizes": [4, 40], "max_batch_size": 32}, r"`batch_sizes`.*\[1, 32\].*\[4, 40\]"),
         ({"batch_sizes": [2], "min_batch_size": 3}, r"`batch_sizes`.*\[3, inf\]"),
-        ({"min_batch_size": 0}, "`min_batch_size`.*0"),
+        ({"min_batch_size": -1}, "`min_batch_size`.*-1"),
         ({"min_batch_size": 4, "max_batch_size": 2}, "`max_batch_size`.*>= min_batch_size"),
         ({"loss_reduction": "avg"}, "`loss_reduction`.*'avg'"),
         ({"seed": "1"}, "`seed`"),
@@ -229,3 +232,18 @@ def test_a_users_sampler_for_another_rank_layout_is_refused():
             max_steps=1,
             use_distributed_sampler=False,
         )
+
+
+def test_ranks_that_may_sit_out_need_automatic_optimisation():
+    class Manual(Model):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.manual_backward(loss)
+            self.optimizers().step()
+
+    with pytest.raises(MisconfigurationException, match=r"min_batch_size=0\) needs automatic optimisation"):
+        fit(Manual(), HeterogeneousDDPStrategy(min_batch_size=0), max_steps=2)

@@ -1,9 +1,12 @@
 """DynamixAccelerate under `accelerate launch` or `torchrun`: uneven, changing sizes; every rank saves what it saw.
 
-Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py OUT_DIR [OPTIMIZER] [WORKERS] [ACCUMULATE]
+Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py \
+    OUT_DIR [OPTIMIZER] [WORKERS] [ACCUMULATE] [sit-out]
 
 With ACCUMULATE > 1 the loop runs under ``accelerator.accumulate(model)`` and a controller also
 changes the sizes every 2 optimizer steps, so sizes change inside accumulation windows too.
+With ``sit-out`` (``min_batch_size=0``, no controller) each rank in turn trains alone while the
+other sits steps out.
 """
 
 import sys
@@ -26,6 +29,9 @@ NUM_SAMPLES = 150
 PLAN = {(0, 3): [6, 2], (0, 6): [1, 9], (1, 2): [5, 5], (1, 5): [2, 3]}
 
 accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+sit_out = len(sys.argv) > 5 and sys.argv[5] == "sit-out"
+if sit_out:
+    PLAN = {(0, 3): [0, 8], (0, 6): [5, 0], (1, 2): [5, 5], (1, 5): [0, 5]}
 
 
 class Alternate:
@@ -47,8 +53,8 @@ class Alternate:
 
 # gloo processes on a machine without GPUs
 accelerator = Accelerator(cpu=not torch.cuda.is_available(), gradient_accumulation_steps=accumulate)
-controller = {"controller": Alternate(), "interval": 2, "warmup_steps": 1} if accumulate > 1 else {}
-dynamix = DynamixAccelerate(accelerator, batch_sizes=[3, 7], seed=11, **controller)
+controller = {"controller": Alternate(), "interval": 2, "warmup_steps": 1} if accumulate > 1 and not sit_out else {}
+dynamix = DynamixAccelerate(accelerator, batch_sizes=[3, 7], seed=11, min_batch_size=0 if sit_out else 1, **controller)
 if optimizer_name == "errors":  # what bad input says, on every rank
     messages = {}
 
@@ -79,10 +85,15 @@ model, optimizer, loader = dynamix.prepare(network, optimizer, loader)
 
 steps, synced = [], []
 for epoch in range(2):
-    for step, (index, x, y) in enumerate(loader):
-        steps.append((epoch, step, index.tolist()))
+    for step, batch in enumerate(loader):
         with accelerator.accumulate(model):  # a no-op context without accumulation
-            loss = F.cross_entropy(model(x), y)
+            if dynamix.sits_out:
+                steps.append((epoch, step, []))
+                loss = dynamix.zero_loss()
+            else:
+                index, x, y = batch
+                steps.append((epoch, step, index.tolist()))
+                loss = F.cross_entropy(model(x), y)
             dynamix.backward(loss)
             optimizer.step()
             optimizer.zero_grad()

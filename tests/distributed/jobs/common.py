@@ -13,6 +13,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_dynamix import EmptyBatch
+
 NUM_FEATURES, NUM_CLASSES = 4, 3
 
 
@@ -98,17 +100,22 @@ class Net(LightningModule):
 
 
 class Recorder(Callback):
-    """Records, per training batch, the epoch, batch index, sample indices and the synced probe."""
+    """Records, per training batch, the epoch, batch index, sample indices and the synced probe.
+
+    A step the rank sits out (an :class:`EmptyBatch`) has no indices and no probe of its own (``None``).
+    """
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, list[int]]] = []
         self.probes: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.steps.append((trainer.current_epoch, batch_idx, batch[0].tolist()))
+        indices = [] if isinstance(batch, EmptyBatch) else batch[0].tolist()
+        self.steps.append((trainer.current_epoch, batch_idx, indices))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.probes.append(float(trainer.callback_metrics["probe_loss"]))
+        sat_out = isinstance(batch, EmptyBatch)
+        self.probes.append(None if sat_out else float(trainer.callback_metrics["probe_loss"]))
 
 
 class Resizer(Callback):

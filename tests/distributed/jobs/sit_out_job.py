@@ -1,0 +1,50 @@
+"""Trains with ranks that sit steps out (batch size 0) and come back; every rank saves what it saw.
+
+Usage: python sit_out_job.py OUT_DIR  (three ranks)
+"""
+
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from common import Net, Recorder, Resizer, quiet_trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_dynamix import HeterogeneousDDPStrategy
+
+out = Path(sys.argv[1])
+# (epoch, batch_idx) after which the sizes change: rank 0 leaves, two ranks leave, all come back, rank 0 leaves again
+PLAN = {(0, 1): [0, 9, 6], (0, 4): [4, 0, 0], (0, 7): [5, 5, 5], (1, 2): [0, 7, 1], (1, 5): [6, 0, 4]}
+# name: (optimizer, accumulate_grad_batches)
+SCENARIOS = {"sgd-acc1": ("sgd", 1), "adam-acc1": ("adam", 1), "sgd-acc2": ("sgd", 2), "adam-acc3": ("adam", 3)}
+
+
+def fit(name, optimizer, accumulate=1, ckpt_path=None, callbacks=(), **trainer_kwargs):
+    recorder = Recorder()
+    strategy = HeterogeneousDDPStrategy(batch_sizes=[3, 7, 5], min_batch_size=0, seed=5, timeout=timedelta(seconds=90))
+    trainer = quiet_trainer(
+        devices=3,
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        callbacks=[recorder, Resizer(PLAN), *callbacks],
+        **trainer_kwargs,
+    )
+    model = Net(optimizer=optimizer)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    torch.save(
+        {
+            "steps": recorder.steps,
+            "probes": recorder.probes,
+            "params": {k: v.detach().cpu() for k, v in model.net.state_dict().items()},
+        },
+        out / f"{name}-rank{trainer.global_rank}.pt",
+    )
+
+
+for name, (optimizer, accumulate) in SCENARIOS.items():
+    fit(name, optimizer, accumulate, max_epochs=2)
+# a checkpoint at step 3 of epoch 0, while rank 0 sits out, and the run resumed from it
+mid = ModelCheckpoint(dirpath=out / "mid", filename="mid", every_n_train_steps=3, save_top_k=-1)
+fit("mid1", "adam", max_steps=3, callbacks=[mid], enable_checkpointing=True)
+fit("mid2", "adam", ckpt_path=out / "mid" / "mid.ckpt", max_epochs=2)

@@ -1,0 +1,73 @@
+"""Ranks that sit steps out (``min_batch_size=0``) in real three-process Trainer.fit runs.
+
+The sizes go to zero on one rank, then on two, then back, mid-epoch and inside accumulation
+windows; every result must equal one process training on the union of the ranks' batches.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.conftest import run_job
+
+pytestmark = pytest.mark.distributed
+
+SCENARIOS = {"sgd-acc1": ("sgd", 1), "adam-acc1": ("adam", 1), "sgd-acc2": ("sgd", 2), "adam-acc3": ("adam", 3)}
+NUM_SAMPLES, WORLD = 150, 3
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sit-out")
+    run_job("sit_out_job.py", out, cwd=out)
+    names = [*SCENARIOS, "mid1", "mid2"]
+    return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(WORLD)] for name in names}
+
+
+def reference(job_helpers, name, ranks):
+    optimizer, accumulate = SCENARIOS[name]
+    return job_helpers.reference_training([r["steps"] for r in ranks], NUM_SAMPLES, optimizer, accumulate)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_ranks_that_sit_out_train_exactly_like_one_process_on_the_union(results, job_helpers, name):
+    ranks = results[name]
+    expected, _ = reference(job_helpers, name, ranks)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+    sizes = [tuple(len(r["steps"][k][2]) for r in ranks) for k in range(len(ranks[0]["steps"]))]
+    # one rank out, then two ranks out, then every rank back, all happened
+    two_out = next(k for k, s in enumerate(sizes) if s.count(0) == 2)
+    assert any(s.count(0) == 1 for s in sizes[:two_out])
+    assert any(0 not in s for s in sizes[two_out:])
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_every_sample_once_per_epoch_with_ranks_out_and_back(results, name):
+    ranks = results[name]
+    assert len({len(r["steps"]) for r in ranks}) == 1
+    for epoch in (0, 1):
+        seen = [i for r in ranks for (e, _, indices) in r["steps"] if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+
+
+def test_a_checkpoint_taken_while_a_rank_sits_out_resumes_on_the_same_batches_and_parameters(results):
+    for r in range(WORLD):
+        full, before, after = results["adam-acc1"][r], results["mid1"][r], results["mid2"][r]
+        assert before["steps"][-1][2] == [] if r == 0 else before["steps"][-1][2]  # rank 0 was out at the save
+        assert before["steps"] + after["steps"] == full["steps"]
+        for k, value in full["params"].items():
+            assert torch.allclose(after["params"][k], value, atol=1e-9)
+
+
+def test_the_logged_step_loss_is_the_mean_over_the_ranks_that_trained(results, job_helpers):
+    for name in SCENARIOS:
+        ranks = results[name]
+        _, expected = reference(job_helpers, name, ranks)
+        for rank in ranks:
+            trained = [(p, e) for (_, _, indices), p, e in zip(rank["steps"], rank["probes"], expected) if indices]
+            assert all(p is not None for p, _ in trained)
+            assert [p for p, _ in trained] == pytest.approx([e for _, e in trained], abs=1e-9)
+            assert all(p is None for (_, _, indices), p in zip(rank["steps"], rank["probes"]) if not indices)

@@ -1,0 +1,173 @@
+"""Ranks that sit steps out (batch size 0): the schedule, the loader, the controllers and the probes."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from lightning_dynamix.control import GoodputController, PIDController
+from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader, final_step_sizes
+from lightning_dynamix.loop import _PROBE_WAIT_FIRST, DecisionMaker
+from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
+
+ZERO_STEP_SECONDS = 0.001  # what a step costs a rank that sits it out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "remaining", "expected"),
+    [
+        ((0, 3, 5), 11, (0, 4, 7)),  # extra samples only to the ranks that train
+        ((0, 3, 5), 5, (0, 2, 3)),  # a short tail: one each, the rest in proportion to b - 1
+        ((2, 0, 0), 3, (3, 0, 0)),  # more extra samples than ranks that train
+    ],
+)
+def test_the_final_step_keeps_a_rank_that_sits_out_at_zero(sizes, remaining, expected):
+    assert final_step_sizes(sizes, remaining) == expected
+
+
+def test_every_sample_once_per_epoch_with_a_rank_going_to_zero_and_back():
+    world, num_samples = 3, 200
+    samplers = [HeterogeneousBatchSampler(num_samples, [4, 4, 4], rank=r, world_size=world) for r in range(world)]
+    plan = {3: [0, 6, 6], 7: [0, 0, 9], 11: [5, 0, 2]}  # from step: sizes
+    for epoch in range(2):
+        batches: list[list[list[int]]] = [[] for _ in range(world)]
+        iterators = [iter(s) for s in samplers]
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+        iterators = [iter(s) for s in samplers]
+        step = 0
+        while True:
+            if step in plan and epoch == 0:
+                for sampler in samplers:
+                    sampler.set_batch_sizes(plan[step], from_step=step)
+            try:
+                for r in range(world):
+                    batches[r].append(next(iterators[r]))
+            except StopIteration:
+                break
+            step += 1
+        seen = [i for rank in batches for batch in rank for i in batch]
+        assert sorted(seen) == list(range(num_samples))
+        sizes = [tuple(len(batches[r][k]) for r in range(world)) for k in range(len(batches[0]))]
+        if epoch == 0:
+            assert sizes[3][0] == 0
+            assert sizes[8][:2] == (0, 0)
+            assert sizes[11][:2] == (5, 0)
+        else:  # the next epoch starts with the latest sizes: rank 1 still out
+            assert all(s[1] == 0 for s in sizes)
+
+
+def test_the_loader_hands_a_rank_that_sits_out_an_empty_batch_also_from_workers():
+    dataset = TensorDataset(torch.arange(20.0))
+    sampler = HeterogeneousBatchSampler(dataset, [2, 2], rank=0, world_size=2, shuffle=False)
+    sampler.set_batch_sizes([0, 4], from_step=2)
+    loader = HeterogeneousDataLoader(dataset, sampler, num_workers=1)
+    batches = list(loader)
+    assert [len(b) if isinstance(b, EmptyBatch) else len(b[0]) for b in batches] == [2, 2, 0, 0, 0]
+    assert all(isinstance(b, EmptyBatch) for b in batches[2:])
+    assert loader.current_step == 4
+    assert loader.current_batch_sizes == (0, 4)
+
+
+def make_state(sizes: Sequence[int], times: Sequence[float], min_batch_size: int = 0) -> ClusterState:
+    workers = tuple(
+        WorkerMetrics(rank=r, batch_size=b, compute_time=t, data_time=0.0, step_time=max(times))
+        for r, (b, t) in enumerate(zip(sizes, times))
+    )
+    return ClusterState(workers=workers, min_batch_size=min_batch_size)
+
+
+def run_loop(
+    decide,
+    sizes: Sequence[int],
+    fixed: Sequence[float],
+    per_sample: Sequence[float],
+    intervals: int,
+    *,
+    min_batch_size: int = 0,
+    seed: int = 0,
+) -> list[tuple[int, ...]]:
+    """Closed loop: rank r's step takes ``fixed_r + per_sample_r * b_r`` seconds (+-3%), or next to nothing at 0."""
+    rng = random.Random(seed)
+    history = [tuple(sizes)]
+    for _ in range(intervals):
+        times = [
+            (a + c * b) * (1 + rng.uniform(-0.03, 0.03)) if b > 0 else ZERO_STEP_SECONDS
+            for a, c, b in zip(fixed, per_sample, sizes)
+        ]
+        sizes = decide(make_state(sizes, times, min_batch_size=min_batch_size), list(sizes))
+        history.append(tuple(sizes))
+    return history
+
+
+def job_step_time(sizes: Sequence[int], fixed: Sequence[float], per_sample: Sequence[float]) -> float:
+    return max(a + c * b for a, c, b in zip(fixed, per_sample, sizes) if b > 0)
+
+
+# rank 2 is a straggler whose fixed cost per step alone is longer than the others' whole step
+STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE = [0.01, 0.01, 0.2], [0.001, 0.001, 0.008]
+
+
+def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_others_step():
+    controller = GoodputController(dead_band=0.02)
+    history = run_loop(
+        lambda state, current: controller.decide(state).batch_sizes,
+        [32, 32, 32],
+        STRAGGLER_FIXED,
+        STRAGGLER_PER_SAMPLE,
+        intervals=6,
+    )
+    assert history[-1][2] == 0
+    assert sum(history[-1]) == 96
+    without_straggler = job_step_time([48, 48, 0], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
+    assert job_step_time(history[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE) == pytest.approx(without_straggler)
+    # without min_batch_size=0 it must keep at least one sample there, and the job waits for it
+    kept = GoodputController(dead_band=0.02)
+    bounded = run_loop(
+        lambda state, current: kept.decide(state).batch_sizes,
+        [32, 32, 32],
+        STRAGGLER_FIXED,
+        STRAGGLER_PER_SAMPLE,
+        intervals=6,
+        min_batch_size=1,
+    )
+    assert bounded[-1][2] == 1
+    assert job_step_time(bounded[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE) > 0.2
+
+
+def test_a_rank_kept_out_is_probed_ever_less_often_and_comes_back_once_fast():
+    maker = DecisionMaker(GoodputController(dead_band=0.02), "goodput", "none", "test")
+    fixed, per_sample = list(STRAGGLER_FIXED), list(STRAGGLER_PER_SAMPLE)
+    history = run_loop(
+        lambda state, current: maker.propose(state, current).batch_sizes, [32, 32, 32], fixed, per_sample, 80
+    )
+    out = [k for k, sizes in enumerate(history) if sizes[2] == 0]
+    probes = [k for k in range(1, len(history)) if history[k][2] > 0 and history[k - 1][2] == 0]
+    assert out
+    assert len(probes) >= 2
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert gaps[0] >= _PROBE_WAIT_FIRST
+    assert all(later > earlier for earlier, later in itertools.pairwise(gaps))
+    # still slow: out again within a few decisions
+    assert all(any(sizes[2] == 0 for sizes in history[k + 1 : k + 5]) for k in probes if k + 5 <= len(history))
+    # the straggler recovers (its neighbour left): the next probe brings it back for good
+    fast = run_loop(
+        lambda state, current: maker.propose(state, current).batch_sizes,
+        history[-1],
+        [0.01, 0.01, 0.01],
+        [0.001, 0.001, 0.001],
+        2 * 128,
+    )
+    assert fast[-1][2] >= 20
+    assert all(sizes[2] > 0 for sizes in fast[-20:])
+
+
+def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
+    controller = PIDController()
+    sizes = controller.decide(make_state([0, 48, 48], [ZERO_STEP_SECONDS, 0.05, 0.05], min_batch_size=0)).batch_sizes
+    assert sizes == (0, 48, 48)
