@@ -49,6 +49,9 @@ class RunConfig:
         seed: seed of the data, the initial weights and the training order.
         schedule: ``(step, rank, factor)`` speed changes during the run.
         max_batch_size: the largest batch size a rank may be given.
+        min_batch_size: the smallest batch size a rank may be given (0: a straggler may sit out).
+        keep_global_batch: the controller only moves samples between ranks (``goodput`` keeps the
+            initial global batch instead of searching one); ``pid`` and ``ppo`` always keep it.
         hidden: width of the classifier's hidden layers (the transformer's model width).
         architecture: ``"mlp"`` or ``"transformer"`` (:class:`~lightning_dynamix.data.workloads.ClassificationTask`).
         depth: hidden layers of the MLP, encoder layers of the transformer.
@@ -73,6 +76,8 @@ class RunConfig:
     seed: int = 0
     schedule: tuple[tuple[int, int, float], ...] = ()
     max_batch_size: int = 1024
+    min_batch_size: int = 1
+    keep_global_batch: bool = False
     hidden: int = 768
     architecture: str = "mlp"
     depth: int = 2
@@ -167,6 +172,14 @@ class TrainingClock(Callback):
         self.train_seconds = self.elapsed()
 
 
+def _fixed_global_batch(config: RunConfig) -> dict[str, int] | None:
+    """The goodput controller's arguments that keep the initial global batch (the others keep it anyway)."""
+    if config.controller != "goodput":
+        return None
+    total = sum(config.batch_sizes) if config.batch_sizes else config.batch_size * len(config.speeds)
+    return {"min_global_batch": total, "max_global_batch": total}
+
+
 def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     """Train once; returns the result on global rank 0 and ``None`` on the other ranks.
 
@@ -182,6 +195,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         interval=config.interval,
         warmup_steps=config.warmup_steps,
         lr_scaling=config.lr_scaling,
+        controller_kwargs=_fixed_global_batch(config) if config.keep_global_batch else None,
         max_batch_size=config.max_batch_size,
     )
     clock = TrainingClock()
@@ -191,6 +205,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         strategy=HeterogeneousDDPStrategy(
             batch_sizes=list(config.batch_sizes) if config.batch_sizes else [config.batch_size] * world,
             max_batch_size=config.max_batch_size,
+            min_batch_size=config.min_batch_size,
             seed=config.seed,
             timeout=timedelta(seconds=120),
         ),

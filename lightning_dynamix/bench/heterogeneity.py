@@ -49,6 +49,17 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--controller", default="pid", help="static, pid, goodput or ppo (default pid)")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument(
+        "--min-batch-size",
+        type=int,
+        default=1,
+        help="smallest size a rank may be given (default 1); 0 lets the controller sit a straggler out",
+    )
+    parser.add_argument(
+        "--keep-global-batch",
+        action="store_true",
+        help="goodput only moves samples between ranks instead of also searching the global batch",
+    )
+    parser.add_argument(
         "--oracle",
         action="store_true",
         help="first measure fixed splits of the same global batch (coarse, then refined around the best) and"
@@ -137,6 +148,8 @@ def _ratio_after(result: RunResult, step: int) -> float:
 def run_balance(args: argparse.Namespace) -> None:
     world = len(args.speeds)
     half = args.steps // 2
+    if args.min_batch_size < 0:
+        raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
     config = RunConfig(
         controller=args.controller,
         speeds=args.speeds,
@@ -147,6 +160,8 @@ def run_balance(args: argparse.Namespace) -> None:
         hidden=args.hidden,
         schedule=args.schedule,
         val_checks_per_epoch=1,
+        min_batch_size=args.min_batch_size,
+        keep_global_batch=args.keep_global_batch,
     )
     oracle = None
     if args.oracle:  # the same run with fixed splits, measured before the controller's

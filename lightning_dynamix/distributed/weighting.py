@@ -138,7 +138,8 @@ def report_gradient_norms(
 
     ``sink(local_sq_norm, local_samples, global_sq_norm, global_samples)`` receives this rank's
     gradient (the mean over its own samples of the window) and the all-reduced one (over all samples),
-    whatever weights the buckets carried. Nothing happens when the hook measured no norms.
+    whatever weights the buckets carried. Nothing happens when the hook measured no norms, or when
+    this rank trained no sample in the window (it sat out: it has no gradient of its own).
     """
     norms = hook_state.norms
     if norms is None or not norms.local:
@@ -147,6 +148,8 @@ def report_gradient_norms(
     local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
     norms.clear()
     own, total = weighting.window_own_samples, weighting.window_samples
+    if own == 0:
+        return
     # buckets hold (own / total) x this rank's mean gradient before the all-reduce and the global
     # mean after it ("mean" losses); summed losses give own x and total x the means
     mean = weighting.loss_reduction == "mean"

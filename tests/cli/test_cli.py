@@ -64,6 +64,24 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     assert 0 < result["throughput_to_ideal_second_half"] <= 1.05
 
 
+def test_bench_balance_lets_goodput_sit_a_straggler_out_and_refuses_a_negative_bound(tmp_path):
+    out = tmp_path / "straggler.json"
+    dynamix(
+        "bench", "balance", "--speeds", "1,1,8", "--controller", "goodput", "--min-batch-size", "0",
+        "--keep-global-batch", "--batch-size", "16", "--hidden", "64", "--steps", "40", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    sizes = [i["next_batch_sizes"] for i in json.loads(out.read_text())["intervals"]]
+    assert all(sum(s) == 48 for s in sizes)  # the global batch is kept
+    assert sizes[-1][2] == 0  # the 8x slower rank sits out
+    refused = subprocess.run(
+        [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "balance", "--min-batch-size", "-1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "--min-batch-size must be >= 0" in refused.stderr
+
+
 def test_bench_balance_with_the_oracle_measures_fixed_splits_first_and_reports_the_controller_against_the_best(
     tmp_path,
 ):

@@ -12,6 +12,12 @@ from torch.utils.data import TensorDataset
 
 from lightning_dynamix.control import GoodputController, PIDController
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader, final_step_sizes
+from lightning_dynamix.distributed import (
+    BucketNorms,
+    SyncWindowWeighting,
+    WeightedAllReduceState,
+    report_gradient_norms,
+)
 from lightning_dynamix.loop import _PROBE_WAIT_FIRST, DecisionMaker
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 
@@ -171,3 +177,20 @@ def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
     controller = PIDController()
     sizes = controller.decide(make_state([0, 48, 48], [ZERO_STEP_SECONDS, 0.05, 0.05], min_batch_size=0)).batch_sizes
     assert sizes == (0, 48, 48)
+
+
+def test_a_rank_that_sat_out_a_window_reports_no_gradient_norms_of_its_own():
+    """The noise scale needs each rank's own gradient: a rank without samples has none to report."""
+    state = WeightedAllReduceState()
+    state.norms = BucketNorms([torch.tensor(0.0)], [torch.tensor(4.0)])
+    reported = []
+    weighting = SyncWindowWeighting(rank=0)
+    weighting.add_backward(0, (0, 8))
+    report_gradient_norms(state, weighting, lambda *values: reported.append(values))
+    assert reported == []
+    assert state.norms.local == []  # cleared for the next synchronisation
+    weighting = SyncWindowWeighting(rank=1)
+    weighting.add_backward(0, (0, 8))
+    state.norms = BucketNorms([torch.tensor(1.0)], [torch.tensor(1.0)])
+    report_gradient_norms(state, weighting, lambda *values: reported.append(values))
+    assert [(own, total) for _, own, _, total in reported] == [(8, 8)]
