@@ -390,8 +390,9 @@ class DecisionMaker:
                 if self._in_for[r] >= _PROBE_WAIT_FIRST:  # back for good
                     self._probe_wait[r], self._probed[r] = _PROBE_WAIT_FIRST, False
                 continue
-            if self._probed[r] and self._in_for[r] > 0:  # a probe brought it back only briefly
+            if self._probed[r]:  # out again within _PROBE_WAIT_FIRST decisions of a probe
                 self._probe_wait[r] = min(2 * self._probe_wait[r], _PROBE_WAIT_MOST)
+                self._probed[r] = False
             self._in_for[r] = 0
             self._out_for[r] += 1
             if self._out_for[r] < self._probe_wait[r]:

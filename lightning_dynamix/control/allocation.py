@@ -48,7 +48,7 @@ def resolve_bounds(
     lower: list[int] = []
     upper: list[int | None] = []
     for low, high in zip(lows, highs):
-        lo = max(0, int(low or 0), int(state.min_batch_size))
+        lo = max(int(low or 0), int(state.min_batch_size))
         caps = [int(c) for c in (high, state.max_batch_size) if c is not None]
         hi = max(1, min(caps)) if caps else None
         if hi is not None and lo > hi:

@@ -205,10 +205,10 @@ class GoodputController:
         if any(not (math.isfinite(t) and t > 0) for t in busy):
             return self._decision(current, noise)
         self._observe(current, busy)
-        known = [fit_step_time(obs) for obs in self._observations if obs]
+        fitted = [fit_step_time(obs) if obs else None for obs in self._observations]
         # a rank never seen training (it sat out from the start) is taken for an average one
-        unknown = (0.0, statistics.mean(beta for _, beta in known))
-        models = [fit_step_time(obs) if obs else unknown for obs in self._observations]
+        unknown = (0.0, statistics.mean(model[1] for model in fitted if model is not None))
+        models = [model if model is not None else unknown for model in fitted]
         alphas = [a for a, _ in models]
         betas = [b for _, b in models]
         comm = [w.comm_time for w in state.workers if math.isfinite(w.comm_time) and w.comm_time >= 0]

@@ -157,6 +157,11 @@ class HeterogeneousDataLoader(DataLoader):
         return self._current_step
 
     @property
+    def sits_out(self) -> bool:
+        """Whether this rank's batch size is 0 at :attr:`current_step` (it was handed an :class:`EmptyBatch`)."""
+        return self._current_step >= 0 and self._current_sizes[self.batch_sampler.rank] == 0
+
+    @property
     def current_batch_sizes(self) -> BatchSizes:
         """Every rank's real batch size at :attr:`current_step`."""
         if self._current_step < 0:

@@ -9,7 +9,7 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
-from lightning_dynamix.distributed.sit_out import TrainingRanksGroups, zero_gradient_loss
+from lightning_dynamix.distributed.sit_out import training_ranks_group, zero_gradient_loss
 from lightning_dynamix.distributed.weighting import (
     LossReduction,
     SyncWindowWeighting,
@@ -21,7 +21,6 @@ __all__ = [
     "BucketNorms",
     "LossReduction",
     "SyncWindowWeighting",
-    "TrainingRanksGroups",
     "WeightedAllReduceState",
     "broadcast_floats",
     "gather_floats",
@@ -29,6 +28,7 @@ __all__ = [
     "let_backend_threads_finish_at_exit",
     "report_gradient_norms",
     "set_batch_sizes_on_every_rank",
+    "training_ranks_group",
     "validate_loss_reduction",
     "weighted_allreduce_hook",
     "weighted_mean_all_reduce",

@@ -9,7 +9,7 @@ weight ``b_r / sum(b)`` is 0, and the optimizer step applies the same all-reduce
 rank. The fixed cost of the model's forward and backward passes is skipped.
 
 Collectives the ranks that train make among themselves (a weighted mean logged from the training
-step) go through :class:`TrainingRanksGroups`: a process group of just those ranks, created by
+step) go through :func:`training_ranks_group`: a process group of just those ranks, created by
 them alone, once per set of ranks.
 """
 
@@ -56,22 +56,20 @@ _groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _groups_of: object = None
 
 
-class TrainingRanksGroups:
-    """Process groups of the ranks that train a step, for collectives the ranks that sit out do not join.
+def training_ranks_group(batch_sizes: Sequence[int]) -> dist.ProcessGroup | None:
+    """The process group of the ranks with a batch size above 0; ``None`` (the default group) when all train.
 
-    :meth:`group` is called by the training ranks only; each set of ranks gets its group once per
-    process and default group (created with local synchronisation: ranks outside it need not take part).
+    For collectives the ranks that sit out do not join: call it on the training ranks only. Each
+    set of ranks gets its group once per process and default group, created with local
+    synchronisation (ranks outside it need not take part).
     """
-
-    def group(self, batch_sizes: Sequence[int]) -> dist.ProcessGroup | None:
-        """The group of the ranks with a batch size above 0; ``None`` (the default group) when all train."""
-        global _groups_of
-        ranks = tuple(r for r, b in enumerate(batch_sizes) if b > 0)
-        if len(ranks) == len(batch_sizes):
-            return None
-        if _groups_of is not dist.group.WORLD:  # another default group: the old ones are gone with it
-            _groups.clear()
-            _groups_of = dist.group.WORLD
-        if ranks not in _groups:
-            _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-        return _groups[ranks]
+    global _groups_of
+    if min(batch_sizes) > 0:
+        return None
+    if _groups_of is not dist.group.WORLD:  # another default group: the old ones are gone with it
+        _groups.clear()
+        _groups_of = dist.group.WORLD
+    ranks = tuple(r for r, b in enumerate(batch_sizes) if b > 0)
+    if ranks not in _groups:
+        _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _groups[ranks]

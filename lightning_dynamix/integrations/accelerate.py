@@ -402,10 +402,7 @@ class DynamixAccelerate:
     @property
     def sits_out(self) -> bool:
         """Whether this rank's batch size is 0 in the batch being trained (its batch is an ``EmptyBatch``)."""
-        loader = self.train_loader.loader if self.train_loader is not None else None
-        if loader is None or loader.current_step < 0:
-            return False
-        return loader.current_batch_sizes[self.accelerator.process_index] == 0
+        return self.train_loader is not None and self.train_loader.loader.sits_out
 
     def zero_loss(self) -> Tensor:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.

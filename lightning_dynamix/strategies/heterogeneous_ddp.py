@@ -61,11 +61,11 @@ from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
     SyncWindowWeighting,
-    TrainingRanksGroups,
     WeightedAllReduceState,
     let_backend_threads_finish_at_exit,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
+    training_ranks_group,
     validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
@@ -159,7 +159,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._weighting: SyncWindowWeighting | None = None
         self._train_loader: HeterogeneousDataLoader | None = None
         self._in_training_step = False
-        self._training_ranks = TrainingRanksGroups()
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
@@ -400,14 +399,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 " manually optimised training_step makes. Use min_batch_size >= 1, or automatic optimisation."
             )
 
-    def _sits_out(self) -> bool:
-        """Whether this rank's batch size is 0 in the batch being trained."""
-        loader = self._train_loader
-        return loader is not None and loader.current_step >= 0 and loader.current_batch_sizes[self.global_rank] == 0
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sits_out() and isinstance(self.model, DistributedDataParallel):
+        loader = self._train_loader
+        if loader is not None and loader.sits_out and isinstance(self.model, DistributedDataParallel):
             # no samples: a loss of 0 through DDP's forward, so the rank joins the all-reduce with nothing
             with self.precision_plugin.train_step_context():
                 return zero_gradient_loss(self.model)
@@ -474,7 +469,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             sizes = loader.current_batch_sizes
             # ranks that sit this step out do not run training_step: the others reduce among themselves
             result = weighted_mean_all_reduce(
-                tensor, sizes[self.global_rank] / sum(sizes), group=self._training_ranks.group(sizes)
+                tensor, sizes[self.global_rank] / sum(sizes), group=training_ranks_group(sizes)
             )
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)

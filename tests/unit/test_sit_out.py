@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_dynamix.control import GoodputController, PIDController
+from lightning_dynamix.control import Decision, GoodputController, PIDController
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader, final_step_sizes
 from lightning_dynamix.distributed import (
     BucketNorms,
@@ -117,6 +117,7 @@ def job_step_time(sizes: Sequence[int], fixed: Sequence[float], per_sample: Sequ
 
 # rank 2 is a straggler whose fixed cost per step alone is longer than the others' whole step
 STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE = [0.01, 0.01, 0.2], [0.001, 0.001, 0.008]
+STRAGGLER = (STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
 
 
 def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_others_step():
@@ -171,6 +172,30 @@ def test_a_rank_kept_out_is_probed_ever_less_often_and_comes_back_once_fast():
     )
     assert fast[-1][2] >= 20
     assert all(sizes[2] > 0 for sizes in fast[-20:])
+
+
+class KeepsRankTwoOut:
+    """A controller that sends rank 2 back to 0 at once, whatever its probe measured."""
+
+    def decide(self, state: ClusterState) -> Decision:
+        return Decision((24, 24, 0))
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
+
+
+def test_the_wait_before_the_next_probe_doubles_also_when_the_controller_drops_the_probe_at_once():
+    maker = DecisionMaker(KeepsRankTwoOut(), "stub", "none", "test")
+    history = run_loop(lambda state, current: maker.propose(state, current).batch_sizes, [24, 24, 0], *STRAGGLER, 200)
+    probes = [k for k, sizes in enumerate(history) if sizes[2] > 0]
+    assert all(history[k + 1][2] == 0 for k in probes if k + 1 < len(history))  # dropped at once
+    # the probe takes the place of the 8th decision at 0, then of the 16th, the 32nd...
+    waits = [b - a - 1 for a, b in itertools.pairwise([0, *probes])]
+    assert waits == [_PROBE_WAIT_FIRST * 2**i - 1 for i in range(len(waits))]
+    assert len(waits) >= 3
 
 
 def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
