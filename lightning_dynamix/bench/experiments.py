@@ -2,8 +2,9 @@
 
 One run trains the built-in classification workload on ``len(speeds)`` processes, one rank per
 process, with :class:`~lightning_dynamix.callbacks.HeterogeneityEmulator` making rank ``r``
-``speeds[r]`` times slower, and a :class:`~lightning_dynamix.callbacks.DynamixCallback` with the
-chosen controller (``"static"`` measures the same way and never changes a size). It records the
+``speeds[r]`` times slower (or real contention, :mod:`lightning_dynamix.bench.contention`), and a
+:class:`~lightning_dynamix.callbacks.DynamixCallback` with the chosen controller (``"static"``
+measures the same way and never changes a size). It records the
 callback's gathered states, the validation accuracy against training time (validation itself
 excluded), and what the run achieved.
 """
@@ -18,11 +19,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
+from lightning_dynamix.bench import contention
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
@@ -35,6 +36,9 @@ class RunConfig:
     Attributes:
         controller: ``"static"``, ``"pid"`` or ``"goodput"``.
         speeds: slowdown factor per rank (1.0 = the rank's own speed); one process per entry.
+        contention: how the ranks are made slow: ``"emulate"`` (the emulator's sleeps), ``"busy"``,
+            ``"quota"`` or ``"threads"`` (:mod:`lightning_dynamix.bench.contention`; the launching
+            process must hold a :class:`~lightning_dynamix.bench.contention.Contention` around the runs).
         batch_size: every rank's initial batch size (samples).
         batch_sizes: each rank's initial batch size instead (one per rank), e.g. a fixed split to
             measure with ``controller="static"``.
@@ -63,6 +67,7 @@ class RunConfig:
 
     controller: str = "pid"
     speeds: tuple[float, ...] = (1.0, 3.0)
+    contention: str = "emulate"
     batch_size: int = 64
     batch_sizes: tuple[int, ...] | None = None
     epochs: int = 4
@@ -187,9 +192,11 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     so each can take the same next step of a search (the other figures are rank 0's own).
     """
     world = len(config.speeds)
-    # one thread per process: the ranks share the machine's cores, and the emulator's factors are
-    # relative to a rank's own speed, which threads competing for a core would blur
-    torch.set_num_threads(1)
+    places = contention.plan(config.contention, config.speeds)
+    # the emulator: one thread per process, its factors are relative to a rank's own speed, which threads
+    # competing for a core would blur; otherwise this rank's cores, threads and cgroup
+    contention.apply(places, int(os.environ.get("LOCAL_RANK", "0")))
+    slowdown = [HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule))] if places is None else []
     dynamix = DynamixCallback(
         config.controller,
         interval=config.interval,
@@ -213,7 +220,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         max_steps=config.max_steps,
         val_check_interval=1.0 / config.val_checks_per_epoch,
         num_sanity_val_steps=0,
-        callbacks=[HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule)), dynamix, clock],
+        callbacks=[*slowdown, dynamix, clock],
         logger=False if config.log_dir is None else CSVLogger(config.log_dir, name=config.controller, version=""),
         enable_checkpointing=False,
         enable_progress_bar=False,

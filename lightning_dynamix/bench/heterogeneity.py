@@ -1,4 +1,9 @@
-"""``dynamix bench balance`` and ``dynamix bench tta``: what rebalancing buys on an emulated cluster."""
+"""``dynamix bench balance`` and ``dynamix bench tta``: what rebalancing buys on a heterogeneous cluster.
+
+The cluster is emulated (sleeps) or made of real contention on this machine
+(:mod:`lightning_dynamix.bench.contention`); with ``--oracle`` every controller is judged against
+the best fixed split of the same global batch, searched for and re-measured in the same invocation.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.core import _machine
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.bench.plots import plot_runs
@@ -26,6 +32,13 @@ def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
 def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
     parser.add_argument("--speeds", type=floats, default=(1.0, 3.0), help="slowdown per rank (default 1,3)")
     parser.add_argument(
+        "--contention",
+        default="emulate",
+        help="how ranks are made slow: emulate (sleeps, default), busy (a core per rank, speeds[r] - 1 busy"
+        " processes beside rank r), quota (a cgroup CPU quota of 1/speeds[r] cores), threads (max(speeds)/speeds[r]"
+        " threads on cores of their own)",
+    )
+    parser.add_argument(
         "--batch-size",
         type=int,
         default=batch_size,
@@ -42,11 +55,33 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="first search the best fixed split of the initial global batch (measured runs, from the even split"
+        " moving samples between two ranks while faster, in ever finer moves) and judge every controller against it",
+    )
+    parser.add_argument(
+        "--oracle-finest",
+        type=int,
+        default=None,
+        help="the oracle's finest move between two ranks, in samples (default: the global batch / 64, at least 1)",
+    )
+
+
+def _finest(args: argparse.Namespace, world: int) -> int:
+    if args.oracle_finest is not None and args.oracle_finest < 1:
+        raise SystemExit(f"--oracle-finest must be >= 1, got {args.oracle_finest}")
+    return args.oracle_finest or max(1, args.batch_size * world // 64)
 
 
 def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     _common(parser, batch_size=256)
-    parser.add_argument("--controller", default="pid", help="static, pid, goodput or ppo (default pid)")
+    parser.add_argument(
+        "--controller",
+        default="pid",
+        help="static, pid, goodput or ppo, or several comma-separated, run in turn (default pid)",
+    )
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument(
         "--min-batch-size",
@@ -60,16 +95,10 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
         help="goodput only moves samples between ranks instead of also searching the global batch",
     )
     parser.add_argument(
-        "--oracle",
-        action="store_true",
-        help="first measure fixed splits of the same global batch (coarse, then refined around the best) and"
-        " report the controller's samples/s as a fraction of the best one's",
-    )
-    parser.add_argument(
-        "--oracle-finest",
+        "--rounds",
         type=int,
-        default=None,
-        help="the oracle's finest move between two ranks, in samples (default: the global batch / 64, at least 1)",
+        default=1,
+        help="runs per controller, in turn with (under --oracle) a fresh run of the best fixed split (default 1)",
     )
 
 
@@ -145,14 +174,39 @@ def _ratio_after(result: RunResult, step: int) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _contention(args: argparse.Namespace) -> contention.Contention:
+    """The contention ``args`` ask for, checked against this machine: a ``SystemExit`` saying what it cannot do."""
+    try:
+        places = contention.plan(args.contention, args.speeds)
+        if places is not None and any(p.quota is not None for p in places):
+            contention.check_cgroup_rights()
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
+    if places is not None and args.schedule:
+        raise SystemExit(f"--schedule changes the emulator's speeds: needs --contention emulate, got {args.contention}")
+    # only the launching process starts busy processes and cgroups; its ranks take their places
+    return contention.Contention(places if is_launcher_rank_zero() else None)
+
+
 def run_balance(args: argparse.Namespace) -> None:
     world = len(args.speeds)
     half = args.steps // 2
     if args.min_batch_size < 0:
         raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    controllers = args.controller.split(",")
+    with _contention(args):
+        summary = _balance_runs(args, controllers, world, half)
+    if summary is not None:
+        _report_balance(args, summary, controllers)
+
+
+def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, half: int) -> dict[str, Any] | None:
     config = RunConfig(
-        controller=args.controller,
+        controller=controllers[0],
         speeds=args.speeds,
+        contention=args.contention,
         batch_size=args.batch_size,
         epochs=1000,
         max_steps=args.steps,
@@ -164,75 +218,113 @@ def run_balance(args: argparse.Namespace) -> None:
         keep_global_batch=args.keep_global_batch,
     )
     oracle = None
-    if args.oracle:  # the same run with fixed splits, measured before the controller's
+    fixed_rates: list[float] = []
 
-        def measure(split: tuple[int, ...]) -> float:
-            fixed = dataclasses.replace(config, controller="static", batch_sizes=split)
-            result = run(fixed, on_every_rank=True)  # every rank takes the search's next step
-            assert result is not None
-            value = samples_per_second(result, half)
-            if is_launcher_rank_zero():
-                print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
-            return value
+    def measure(split: tuple[int, ...]) -> float:
+        fixed = dataclasses.replace(config, controller="static", batch_sizes=split)
+        result = run(fixed, on_every_rank=True)  # every rank takes the search's next step
+        assert result is not None
+        value = samples_per_second(result, half)
+        if is_launcher_rank_zero():
+            print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
+        return value
 
-        finest = args.oracle_finest or max(1, args.batch_size * world // 64)
-        if finest < 1:
-            raise SystemExit(f"--oracle-finest must be >= 1, got {args.oracle_finest}")
-        best, best_rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, finest)
+    if args.oracle:  # the same run with fixed splits, measured before the controllers'
+        best, best_rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world))
         oracle = {
             "best_split": list(best),
-            "best_samples_per_second": best_rate,
+            "best_samples_per_second_in_search": best_rate,
             "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
         }
-    result = run(config)
-    if not is_launcher_rank_zero() or result is None:
-        return
+    runs: dict[str, list[RunResult]] = {c: [] for c in controllers}
+    for _ in range(args.rounds):
+        # the best of many noisy measurements is biased upwards: the controllers are judged against fresh
+        # runs of that split, in turn with theirs, so drift on the machine hits both alike
+        if oracle is not None:
+            fixed_rates.append(measure(tuple(oracle["best_split"])))
+        for controller in controllers:
+            result = run(dataclasses.replace(config, controller=controller))
+            if result is not None:
+                runs[controller].append(result)
+    if not is_launcher_rank_zero():
+        return None
+    if oracle is not None:
+        oracle["best_samples_per_second_rounds"] = fixed_rates
+        oracle["best_samples_per_second"] = statistics.median(fixed_rates)
     change = args.schedule[0][0] if args.schedule else None
+    table: dict[str, Any] = {}
+    for controller, results in runs.items():
+        rates = [samples_per_second(r, half) for r in results]
+        table[controller] = {
+            "samples_per_second_rounds": rates,
+            "samples_per_second_second_half": statistics.median(rates),
+            "fraction_of_best_fixed_split": None
+            if oracle is None
+            else statistics.median(rates) / oracle["best_samples_per_second"],
+            "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
+            "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
+        }
+    first = runs[controllers[0]][0]
     summary: dict[str, Any] = {
         "benchmark": "balance",
-        "controller": args.controller,
+        "controller": controllers[0],
+        "contention": args.contention,
         "speeds": list(args.speeds),
-        "throughput_to_ideal_second_half": _ratio_after(result, half),
-        "throughput_to_ideal_all": result.throughput_to_ideal,
-        "final_batch_sizes": result.intervals[-1]["next_batch_sizes"] if result.intervals else None,
-        "samples_per_second_second_half": samples_per_second(result, half),
+        "throughput_to_ideal_second_half": table[controllers[0]]["throughput_to_ideal_second_half"],
+        "throughput_to_ideal_all": first.throughput_to_ideal,
+        "final_batch_sizes": first.intervals[-1]["next_batch_sizes"] if first.intervals else None,
+        "samples_per_second_second_half": table[controllers[0]]["samples_per_second_second_half"],
         "oracle": oracle,
-        "fraction_of_best_fixed_split": None
-        if oracle is None
-        else samples_per_second(result, half) / oracle["best_samples_per_second"],
-        "settling_intervals": None if change is None else settling_intervals(result, change),
+        "fraction_of_best_fixed_split": table[controllers[0]]["fraction_of_best_fixed_split"],
+        "controllers": table,
+        "settling_intervals": None if change is None else settling_intervals(first, change),
         "throughput_to_ideal_after_settling": None,
-        "intervals": result.intervals,
-        "config": result.config,
+        "intervals": first.intervals,
+        "runs": {c: [r.intervals for r in results] for c, results in runs.items()},
+        "config": first.config,
         "machine": _machine(),
     }
     if change is not None and summary["settling_intervals"] is not None:
         settled_step = change + args.interval * summary["settling_intervals"]
-        summary["throughput_to_ideal_after_settling"] = _ratio_after(result, settled_step)
+        summary["throughput_to_ideal_after_settling"] = _ratio_after(first, settled_step)
+    if args.plot is not None:
+        plot_runs({c: results[0] for c, results in runs.items()}, args.plot, title=f"speeds {list(args.speeds)}")
+    return summary
+
+
+def _report_balance(args: argparse.Namespace, summary: dict[str, Any], controllers: list[str]) -> None:
     if args.output is not None:
         args.output.write_text(json.dumps(summary, indent=2))
-    if args.plot is not None:
-        plot_runs({args.controller: result}, args.plot, title=f"speeds {list(args.speeds)}")
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "intervals"}, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("intervals", "runs")}, indent=2))
         return
-    print(
-        f"\ndynamix bench balance: {len(args.speeds)} processes, speeds {list(args.speeds)},"
-        f" controller {args.controller}, {args.steps} steps, decisions every {args.interval}"
-    )
-    print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
-    for i in result.intervals:
-        compute = ", ".join(f"{1e3 * c:.1f}" for c in i["compute_time"])
-        sizes = ",".join(map(str, i["batch_sizes"]))
-        print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
-    print(f"throughput / ideal, median over the second half: {summary['throughput_to_ideal_second_half']:.3f}")
-    if oracle is not None:
+    for controller in controllers:
         print(
-            f"best fixed split {','.join(map(str, oracle['best_split']))} of {len(oracle['measured'])} measured:"
-            f" {oracle['best_samples_per_second']:.1f} samples/s; {args.controller} over the second half"
-            f" {summary['samples_per_second_second_half']:.1f} samples/s ="
-            f" {summary['fraction_of_best_fixed_split']:.3f} of it"
+            f"\ndynamix bench balance: {len(args.speeds)} processes, speeds {list(args.speeds)} ({args.contention}),"
+            f" controller {controller}, {args.steps} steps, decisions every {args.interval}, first round"
         )
+        print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
+        for i in summary["runs"][controller][0]:
+            compute = ", ".join(f"{1e3 * c:.1f}" for c in i["compute_time"])
+            sizes = ",".join(map(str, i["batch_sizes"]))
+            print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
+    oracle = summary["oracle"]
+    if oracle is not None:
+        rounds = ", ".join(f"{v:.1f}" for v in oracle["best_samples_per_second_rounds"])
+        print(
+            f"\nbest fixed split {','.join(map(str, oracle['best_split']))} of {len(oracle['measured'])} measured"
+            f" ({oracle['best_samples_per_second_in_search']:.1f} samples/s in the search); run again in each round:"
+            f" {rounds} samples/s"
+        )
+    print(f"{'controller':>10}  {'samples/s, second half (rounds)':>40}  {'of best fixed split':>19}  {'/ ideal':>7}")
+    for controller, row in summary["controllers"].items():
+        rates = ", ".join(f"{v:.0f}" for v in row["samples_per_second_rounds"])
+        fraction = row["fraction_of_best_fixed_split"]
+        print(
+            f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
+            f"  {row['throughput_to_ideal_second_half']:>7.3f}"
+        )
+    change = args.schedule[0][0] if args.schedule else None
     if change is not None:
         print(
             f"after the speed change at step {change}: settled in {summary['settling_intervals']} decision(s);"
@@ -263,6 +355,13 @@ def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
         help="rule when the global batch changes: none, linear, sqrt, adascale (default adascale; static and pid"
         " keep the global batch, so it only acts on goodput and ppo)",
     )
+    parser.add_argument(
+        "--oracle-steps",
+        type=int,
+        default=60,
+        help="optimizer steps of each of the oracle's search runs (default 60); the best split is then trained like"
+        " the controllers, as the row 'best-fixed'",
+    )
 
 
 def _median(values: list[float]) -> float | None:
@@ -270,13 +369,61 @@ def _median(values: list[float]) -> float | None:
 
 
 def run_tta(args: argparse.Namespace) -> None:
+    if args.oracle and args.schedule:
+        raise SystemExit("--oracle searches one fixed split for fixed speeds; it cannot be combined with --schedule")
+    if args.oracle_steps < 10:
+        raise SystemExit(f"--oracle-steps must be >= 10 (a run's second half is measured), got {args.oracle_steps}")
+    with _contention(args):
+        output = _tta_runs(args)
+    if output is not None:
+        _report_tta(args, output)
+
+
+def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     controllers = args.controllers.split(",")
+    world = len(args.speeds)
+    best: tuple[int, ...] | None = None
+    oracle = None
+    if args.oracle:
+
+        def measure(split: tuple[int, ...]) -> float:
+            config = RunConfig(
+                controller="static",
+                speeds=args.speeds,
+                contention=args.contention,
+                batch_size=args.batch_size,
+                batch_sizes=split,
+                epochs=1000,
+                max_steps=args.oracle_steps,
+                interval=args.interval,
+                hidden=args.hidden,
+                architecture=args.architecture,
+                depth=args.depth,
+                optimizer=args.optimizer,
+                val_checks_per_epoch=1,
+            )
+            result = run(config, on_every_rank=True)
+            assert result is not None
+            value = samples_per_second(result, args.oracle_steps // 2)
+            if is_launcher_rank_zero():
+                print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
+            return value
+
+        best, rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world))
+        oracle = {
+            "best_split": list(best),
+            "best_samples_per_second_in_search": rate,
+            "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
+        }
+        controllers = ["best-fixed", *controllers]
     results: dict[str, list[RunResult]] = {c: [] for c in controllers}
     for seed in range(args.seeds):
         for controller in controllers:  # interleaved: drift on the machine hits all alike
             config = RunConfig(
-                controller=controller,
+                controller="static" if controller == "best-fixed" else controller,
+                batch_sizes=best if controller == "best-fixed" else None,
                 speeds=args.speeds,
+                contention=args.contention,
                 batch_size=args.batch_size,
                 epochs=args.epochs,
                 interval=args.interval,
@@ -294,11 +441,12 @@ def run_tta(args: argparse.Namespace) -> None:
             if result is not None:
                 results[controller].append(result)
     if not is_launcher_rank_zero():
-        return
+        return None
     table = {}
     for controller, runs in results.items():
         reached = [r.time_to_target for r in runs if r.time_to_target is not None]
         table[controller] = {
+            "median_samples_per_second": _median([r.samples / r.train_seconds for r in runs if r.train_seconds > 0]),
             "runs": len(runs),
             "reached_target": len(reached),
             "median_time_to_target": _median(reached) if len(reached) == len(runs) else None,
@@ -307,37 +455,52 @@ def run_tta(args: argparse.Namespace) -> None:
             "median_train_seconds": _median([r.train_seconds for r in runs]),
             "median_throughput_to_ideal": _median([r.throughput_to_ideal for r in runs]),
         }
+    if oracle is not None:
+        best_rate = table["best-fixed"]["median_samples_per_second"]
+        for row in table.values():
+            rate = row["median_samples_per_second"]
+            row["fraction_of_best_fixed_split"] = None if rate is None or not best_rate else rate / best_rate
     output = {
         "benchmark": "tta",
         "speeds": list(args.speeds),
+        "contention": args.contention,
+        "oracle": oracle,
         "schedule": [list(c) for c in args.schedule],
         "target_accuracy": args.target_accuracy,
         "controllers": table,
         "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},
         "machine": _machine(),
     }
-    if args.output is not None:
-        args.output.write_text(json.dumps(output, indent=2))
     if args.plot is not None:
         plot_runs({c: rs[0] for c, rs in results.items() if rs}, args.plot, title="seed 0")
+    return output
+
+
+def _report_tta(args: argparse.Namespace, output: dict[str, Any]) -> None:
+    if args.output is not None:
+        args.output.write_text(json.dumps(output, indent=2))
     if args.json:
         print(json.dumps({k: v for k, v in output.items() if k != "runs"}, indent=2))
         return
     changes = "".join(f", rank {r} x{f:g} from step {s}" for s, r, f in args.schedule)
     model = f"{args.architecture} (hidden {args.hidden}, depth {args.depth}, {args.optimizer} lr {args.lr:g})"
     print(
-        f"\ndynamix bench tta: {model}, speeds {list(args.speeds)}{changes}, {args.epochs} epochs, target accuracy"
-        f" {args.target_accuracy}, {args.seeds} seeds (medians)"
+        f"\ndynamix bench tta: {model}, speeds {list(args.speeds)} ({args.contention}){changes}, {args.epochs} epochs,"
+        f" target accuracy {args.target_accuracy}, {args.seeds} seeds (medians)"
     )
+    if output["oracle"] is not None:
+        print(f"best-fixed: the split {','.join(map(str, output['oracle']['best_split']))}, the oracle's best")
     print(
         f"{'controller':>10}  {'time to target (s)':>18}  {'reached':>7}  {'final accuracy':>14}"
-        f"  {'training time (s)':>17}  {'throughput / ideal':>18}"
+        f"  {'training time (s)':>17}  {'samples/s':>9}  {'of best fixed':>13}  {'throughput / ideal':>18}"
     )
-    for controller, row in table.items():
+    for controller, row in output["controllers"].items():
         tta = row["median_time_to_target"]
         tta_text = f"{tta:.1f}" if tta is not None else "-"
+        fraction = row.get("fraction_of_best_fixed_split")
         print(
             f"{controller:>10}  {tta_text:>18}  {row['reached_target']:>3}/{row['runs']:<3}"
             f"  {row['median_final_accuracy']:>14.3f}  {row['median_train_seconds']:>17.1f}"
+            f"  {row['median_samples_per_second'] or 0:>9.0f}  {'-' if fraction is None else f'{fraction:.3f}':>13}"
             f"  {row['median_throughput_to_ideal']:>18.3f}"
         )

@@ -82,25 +82,54 @@ def test_bench_balance_lets_goodput_sit_a_straggler_out_and_refuses_a_negative_b
     assert "--min-batch-size must be >= 0" in refused.stderr
 
 
-def test_bench_balance_with_the_oracle_measures_fixed_splits_first_and_reports_the_controller_against_the_best(
+def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_against_the_best_fixed_split(
     tmp_path,
 ):
     out = tmp_path / "balance.json"
     printed = dynamix(
-        "bench", "balance", "--speeds", "1,3", "--steps", "10", "--batch-size", "16", "--interval", "5",
-        "--oracle", "--oracle-finest", "4", "--output", str(out), cwd=tmp_path,
+        "bench", "balance", "--contention", "busy", "--speeds", "1,2", "--controller", "static,pid", "--steps", "20",
+        "--batch-size", "128", "--hidden", "512", "--interval", "5", "--oracle", "--oracle-finest", "32",
+        "--rounds", "2", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
     oracle = result["oracle"]
     splits = [tuple(m["split"]) for m in oracle["measured"]]
-    assert splits[0] == (16, 16)  # the search starts from the even split
+    assert splits[0] == (128, 128)  # the search starts from the even split
     assert len(splits) == len(set(splits)) >= 3
-    assert all(sum(split) == 32 for split in splits)
-    assert oracle["best_samples_per_second"] == max(m["samples_per_second"] for m in oracle["measured"])
-    assert result["fraction_of_best_fixed_split"] == pytest.approx(
-        result["samples_per_second_second_half"] / oracle["best_samples_per_second"]
-    )
+    assert all(sum(split) == 256 for split in splits)
+    assert oracle["best_samples_per_second_in_search"] == max(m["samples_per_second"] for m in oracle["measured"])
+    # the best split is run again in each round, in turn with the controllers, and they are judged against that
+    assert len(oracle["best_samples_per_second_rounds"]) == 2
+    for controller in ("static", "pid"):
+        row = result["controllers"][controller]
+        assert len(row["samples_per_second_rounds"]) == 2
+        assert row["fraction_of_best_fixed_split"] == pytest.approx(
+            row["samples_per_second_second_half"] / oracle["best_samples_per_second"]
+        )
+    # the rank sharing its core with a busy process is really slower, and pid gives it less
+    static = result["runs"]["static"][0]
+    assert all(i["compute_time"][1] > 1.3 * i["compute_time"][0] for i in static)
+    assert result["controllers"]["pid"]["final_batch_sizes"][0][1] < 128
     assert "best fixed split" in printed
+    assert not [line for line in Path("/proc").glob("*/cmdline") if b"while True" in _read(line)]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # a process that ended
+        return b""
+
+
+def test_bench_balance_refuses_contention_this_machine_cannot_provide(tmp_path):
+    ranks = len(os.sched_getaffinity(0)) + 1
+    refused = subprocess.run(
+        [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "balance", "--contention", "busy",
+         "--speeds", ",".join(["1"] * ranks)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert f"--contention busy needs a core per rank ({ranks} ranks)" in refused.stderr
 
 
 def test_bench_tta_compares_controllers_on_another_model_family_with_a_mid_run_slowdown(tmp_path):
@@ -124,6 +153,29 @@ def test_bench_tta_compares_controllers_on_another_model_family_with_a_mid_run_s
     # rank 1 is 3x slower from step 60: ppo's balancer moves samples to rank 0
     ppo = result["runs"]["ppo"][0]["intervals"]
     assert ppo[-1]["batch_sizes"][0] > ppo[-1]["batch_sizes"][1]
+
+
+def test_bench_tta_with_the_oracle_trains_the_best_fixed_split_beside_the_controllers(tmp_path):
+    out = tmp_path / "tta.json"
+    dynamix(
+        "bench", "tta", "--controllers", "pid", "--seeds", "1", "--epochs", "1", "--batch-size", "64", "--hidden", "32",
+        "--speeds", "1,3", "--oracle", "--oracle-steps", "20", "--oracle-finest", "16", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    best = result["oracle"]["best_split"]
+    assert sum(best) == 128
+    assert best[0] > best[1]  # rank 1 is 3x slower
+    assert list(result["controllers"]) == ["best-fixed", "pid"]
+    (fixed,) = result["runs"]["best-fixed"]
+    assert fixed["config"]["batch_sizes"] == best
+    assert all(i["batch_sizes"] == best for i in fixed["intervals"][:-1])  # the epoch's last step takes the rest
+    assert result["controllers"]["best-fixed"]["fraction_of_best_fixed_split"] == 1.0
+    pid = result["controllers"]["pid"]
+    assert pid["fraction_of_best_fixed_split"] == pytest.approx(
+        pid["median_samples_per_second"] / result["controllers"]["best-fixed"]["median_samples_per_second"]
+    )
+    assert all(r[0]["samples"] == 16384 for r in result["runs"].values())
 
 
 def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
