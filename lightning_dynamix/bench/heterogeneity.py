@@ -108,25 +108,28 @@ def samples_per_second(result: RunResult, after_step: int) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def neighbour_splits(split: tuple[int, ...], delta: int) -> list[tuple[int, ...]]:
-    """``split`` with ``delta`` samples moved from one rank to another, every way that keeps each rank >= 1."""
+def neighbour_splits(split: tuple[int, ...], delta: int, low: int = 1) -> list[tuple[int, ...]]:
+    """``split`` with ``delta`` samples moved from one rank to another, every way; a rank with fewer than
+    ``delta`` above ``low`` gives what it has above ``low`` (so a search can reach the bound itself)."""
     found = []
     for give in range(len(split)):
+        moved_samples = min(delta, split[give] - low)
         for take in range(len(split)):
-            if give != take and split[give] - delta >= 1:
+            if give != take and moved_samples > 0:
                 moved = list(split)
-                moved[give] -= delta
-                moved[take] += delta
+                moved[give] -= moved_samples
+                moved[take] += moved_samples
                 found.append(tuple(moved))
     return found
 
 
 def find_best_fixed_split(
-    measure: Any, global_batch: int, world: int, finest: int = 1
+    measure: Any, global_batch: int, world: int, finest: int = 1, low: int = 1
 ) -> tuple[tuple[int, ...], float, dict[tuple[int, ...], float]]:
     """Pattern search over fixed splits of ``global_batch``: from the even split, move ``delta`` samples
-    between two ranks while that is faster, then halve ``delta`` (a quarter of a rank's share first),
-    down to ``finest``. ``measure(split)`` returns samples/s; each split is measured once.
+    between two ranks while that is faster (down to ``low`` samples on a rank), then halve ``delta``
+    (a quarter of a rank's share first), down to ``finest``. ``measure(split)`` returns samples/s; each
+    split is measured once.
 
     Returns the best split, its samples/s and every split measured.
     """
@@ -138,7 +141,7 @@ def find_best_fixed_split(
         improved = True
         while improved:
             improved = False
-            for split in neighbour_splits(best, delta):
+            for split in neighbour_splits(best, delta, low):
                 if split not in measured:
                     measured[split] = measure(split)
                 if measured[split] > measured[best]:
@@ -230,7 +233,9 @@ def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, 
         return value
 
     if args.oracle:  # the same run with fixed splits, measured before the controllers'
-        best, best_rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world))
+        best, best_rate, measured = find_best_fixed_split(
+            measure, args.batch_size * world, world, _finest(args, world), low=args.min_batch_size
+        )
         oracle = {
             "best_split": list(best),
             "best_samples_per_second_in_search": best_rate,

@@ -18,8 +18,10 @@ def affine_cluster(speeds, fixed=0.0):
     return measure
 
 
-def test_neighbours_move_delta_samples_between_two_ranks_and_keep_each_rank_at_one_or_more():
-    assert sorted(neighbour_splits((4, 2), 2)) == [(2, 4)]
+def test_neighbours_move_delta_samples_between_two_ranks_down_to_the_lower_bound_itself():
+    assert sorted(neighbour_splits((4, 2), 2)) == [(2, 4), (5, 1)]  # rank 1 gives the one sample it can
+    assert sorted(neighbour_splits((4, 1), 2)) == [(2, 3)]
+    assert sorted(neighbour_splits((4, 1), 2, low=0)) == [(2, 3), (5, 0)]
     assert sorted(neighbour_splits((3, 3, 3), 1)) == sorted(
         [(2, 4, 3), (2, 3, 4), (4, 2, 3), (3, 2, 4), (4, 3, 2), (3, 4, 2)]
     )
@@ -36,6 +38,17 @@ def test_the_search_finds_the_split_that_equalises_the_ranks_and_measures_each_s
     assert rate == pytest.approx(64 / (expected[0] / speeds[0]))
     assert len(measure.calls) == len(set(measure.calls)) == len(measured)
     assert all(sum(split) == 64 and min(split) >= 1 for split in measured)
+
+
+def test_a_rank_whose_one_sample_outlasts_the_others_step_is_left_at_the_bound_even_below_the_finest_move():
+    def measure(split):  # rank 1 at 1 sample outlasts rank 0 at 512; at 0 it sits out
+        step = max(0.002 + split[0] / 10_000, 0.0 if split[1] == 0 else 0.06 + split[1] / 1250)
+        return sum(split) / step
+
+    best, _, _ = find_best_fixed_split(measure, 512, 2, finest=8)
+    assert best == (511, 1)
+    best, _, _ = find_best_fixed_split(measure, 512, 2, finest=8, low=0)
+    assert best == (512, 0)
 
 
 def test_a_coarser_finest_step_stops_earlier_with_fewer_measurements():
