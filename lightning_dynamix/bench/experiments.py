@@ -54,8 +54,8 @@ class RunConfig:
         schedule: ``(step, rank, factor)`` speed changes during the run.
         max_batch_size: the largest batch size a rank may be given.
         min_batch_size: the smallest batch size a rank may be given (0: a straggler may sit out).
-        keep_global_batch: the controller only moves samples between ranks (``goodput`` keeps the
-            initial global batch instead of searching one); ``pid`` and ``ppo`` always keep it.
+        keep_global_batch: the controller only moves samples between ranks (``goodput`` and ``ppo``
+            keep the initial global batch instead of choosing one); ``pid`` always keeps it.
         hidden: width of the classifier's hidden layers (the transformer's model width).
         architecture: ``"mlp"`` or ``"transformer"`` (:class:`~lightning_dynamix.data.workloads.ClassificationTask`).
         depth: hidden layers of the MLP, encoder layers of the transformer.
@@ -177,8 +177,10 @@ class TrainingClock(Callback):
         self.train_seconds = self.elapsed()
 
 
-def _fixed_global_batch(config: RunConfig) -> dict[str, int] | None:
-    """The goodput controller's arguments that keep the initial global batch (the others keep it anyway)."""
+def _fixed_global_batch(config: RunConfig) -> dict[str, Any] | None:
+    """The goodput or ppo controller's arguments that keep the initial global batch (the others keep it anyway)."""
+    if config.controller == "ppo":
+        return {"keep_global_batch": True}
     if config.controller != "goodput":
         return None
     total = sum(config.batch_sizes) if config.batch_sizes else config.batch_size * len(config.speeds)

@@ -92,7 +92,7 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--keep-global-batch",
         action="store_true",
-        help="goodput only moves samples between ranks instead of also searching the global batch",
+        help="goodput and ppo only move samples between ranks instead of also choosing the global batch",
     )
     parser.add_argument(
         "--rounds",

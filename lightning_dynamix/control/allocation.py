@@ -157,6 +157,18 @@ def own_busy_time(worker: WorkerMetrics) -> float:
     return worker.compute_time + data
 
 
+def arrival_time(worker: WorkerMetrics) -> float:
+    """When a rank reaches the gradient all-reduce, as the others see it, seconds into the step.
+
+    ``step_time - sync_wait``: its data, forward and backward, the optimizer step and the framework's
+    per-step work, and any time it was descheduled in between. Every rank leaves the all-reduce at
+    the same moment, so the differences between ranks' arrivals are the others' waits for them: this
+    is what a split must equalise. Falls back to :func:`own_busy_time` where the step was not timed.
+    """
+    arrival = worker.step_time - worker.sync_wait
+    return arrival if math.isfinite(arrival) and arrival > 0 else own_busy_time(worker)
+
+
 def validate_bound(value: object, name: str, *, allow_none: bool, low: int = 1) -> int | tuple[int, ...] | None:
     """Check a batch-size bound given as one int >= ``low``, one per rank, or (if allowed) ``None``."""
     if value is None and allow_none:

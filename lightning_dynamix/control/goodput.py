@@ -8,8 +8,10 @@ that every rank finishes at the same time, which is what makes heterogeneous ran
 Models, refitted at every decision:
 
 * step time of rank ``i`` at local batch ``b``: ``t_i(b) = alpha_i + beta_i * b`` seconds, a least
-  squares fit over the rank's last ``window`` observations ``(b_i, compute_time_i + data_time_i)``
-  (a NaN data time counts as 0). With a single distinct size among them, or a fit that is not
+  squares fit over the rank's last ``window`` observations ``(b_i, arrival_i)``, with ``arrival_i =
+  step_time_i - sync_wait_i`` the rank's arrival at the gradient all-reduce as the others see it
+  (:func:`~lightning_dynamix.control.allocation.arrival_time`: data, compute, optimizer step, being
+  descheduled). With a single distinct size among them, or a fit that is not
   physical (``beta <= 0`` or ``alpha < 0``), the proportional model ``t = beta * b`` through the
   observations is used instead (``alpha = 0``). When a new observation is more than 25% away from
   the rank's model's prediction, the rank's speed has changed (throttling, a neighbour): its older
@@ -45,7 +47,7 @@ import numpy as np
 
 from lightning_dynamix._checks import require_int, require_number, require_optional_int
 from lightning_dynamix.control.allocation import (
-    own_busy_time,
+    arrival_time,
     resolve_bounds,
     round_to_total,
     validate_bound,
@@ -85,6 +87,32 @@ def fit_step_time(observations: Sequence[tuple[float, float]]) -> tuple[float, f
     return 0.0, sum(b * t for b, t in zip(sizes, times)) / sum(b * b for b in sizes)
 
 
+def observe_step_time(
+    observations: list[list[tuple[int, float]]], sizes: Sequence[int], times: Sequence[float], window: int
+) -> list[list[tuple[int, float]]]:
+    """Add one interval's ``(size, time)`` per rank to each rank's last ``window`` observations.
+
+    A rank at size 0 (sitting out) adds nothing: its model stays what its last samples showed. An
+    observation farther than 25% from what the rank's model predicts means the rank itself changed:
+    its older observations are forgotten. That is judged only where the model is measured: at a size
+    already observed, or from an affine fit (two sizes or more); a proportional guess from one other
+    size would take every affine rank for a changed one. Returns the lists (new ones if the number of ranks changed).
+    """
+    if len(observations) != len(sizes):  # another group without regroup(): nothing carries over
+        observations = [[] for _ in sizes]
+    for obs, b, t in zip(observations, sizes, times):
+        if b == 0:
+            continue
+        if obs and (len({size for size, _ in obs}) >= 2 or obs[-1][0] == b):
+            alpha, beta = fit_step_time(obs)
+            predicted = alpha + beta * b
+            if abs(t - predicted) > _SPEED_CHANGE_TOLERANCE * predicted:
+                obs.clear()
+        obs.append((int(b), float(t)))
+        del obs[:-window]
+    return observations
+
+
 def equal_time_split(
     total: int,
     alphas: Sequence[float],
@@ -98,10 +126,21 @@ def equal_time_split(
     rest share the remainder at a common time; the result is rounded by largest remainders to sum
     to ``total`` exactly (or to the closest total the bounds allow).
     """
+    return round_to_total(equal_time_sizes(total, alphas, betas, lower, upper), total, lower, upper)
+
+
+def equal_time_sizes(
+    total: float,
+    alphas: Sequence[float],
+    betas: Sequence[float],
+    lower: Sequence[int],
+    upper: Sequence[int | None],
+) -> list[float]:
+    """:func:`equal_time_split` before rounding: the sizes, as real numbers, at which the ranks finish together."""
     if total <= sum(lower):
-        return round_to_total([float(v) for v in lower], total, lower, upper)
+        return [float(v) for v in lower]
     if all(u is not None for u in upper) and total >= sum(u for u in upper if u is not None):
-        return round_to_total([float(u) for u in upper if u is not None], total, lower, upper)
+        return [float(u) for u in upper if u is not None]
 
     a = np.asarray(alphas, dtype=np.float64)
     beta = np.asarray(betas, dtype=np.float64)
@@ -123,7 +162,7 @@ def equal_time_split(
     else:
         t0, t1, f0, f1 = corners[j - 1], corners[j], filled[j - 1], filled[j]
         common = t1 if f1 == f0 else t0 + (total - f0) * (t1 - t0) / (f1 - f0)
-    return round_to_total([float(v) for v in sizes_at(np.asarray(common))], total, lower, upper)
+    return [float(v) for v in sizes_at(np.asarray(common))]
 
 
 def statistical_efficiency(global_batch: float, base_global_batch: float, noise_scale: float) -> float:
@@ -201,10 +240,10 @@ class GoodputController:
             self._base_global_batch = state.global_batch
         base = self._base_global_batch
         noise = state.gradient_noise_scale
-        busy = [own_busy_time(w) for w in state.workers]
-        if any(not (math.isfinite(t) and t > 0) for t in busy):
+        arrival = [arrival_time(w) for w in state.workers]
+        if any(not (math.isfinite(t) and t > 0) for t in arrival):
             return self._decision(current, noise)
-        self._observe(current, busy)
+        self._observations = observe_step_time(self._observations, current, arrival, self.window)
         fitted = [fit_step_time(obs) if obs else None for obs in self._observations]
         # a rank never seen training (it sat out from the start) is taken for an average one
         unknown = (0.0, statistics.mean(model[1] for model in fitted if model is not None))
@@ -234,20 +273,6 @@ class GoodputController:
         if best_goodput <= (1.0 + self.dead_band) * current_goodput:
             best = current
         return self._decision(best, noise)
-
-    def _observe(self, sizes: Sequence[int], times: Sequence[float]) -> None:
-        if len(self._observations) != len(sizes):  # another group without regroup(): nothing carries over
-            self._observations = [[] for _ in sizes]
-        for obs, b, t in zip(self._observations, sizes, times):
-            if b == 0:
-                continue  # a rank that sat out: its model stays what its last samples showed
-            if obs:
-                alpha, beta = fit_step_time(obs)
-                predicted = alpha + beta * b
-                if abs(t - predicted) > _SPEED_CHANGE_TOLERANCE * predicted:
-                    obs.clear()
-            obs.append((int(b), float(t)))
-            del obs[: -self.window]
 
     def _candidates(
         self, current_total: int, base: int, lower: Sequence[int], upper: Sequence[int | None], noise_known: bool

@@ -7,9 +7,11 @@ optimisation) unchanged.
 
 The control law, per decision interval:
 
-* measured own speed of rank ``i``: ``s_i = b_i / t_i`` samples/s, with ``t_i`` the rank's own busy
-  time per step, ``compute_time + data_time`` seconds (a NaN ``data_time`` counts as 0). Waits for
-  other ranks are excluded on purpose: they are the symptom, not the cause. While a rank's size
+* measured own speed of rank ``i``: ``s_i = b_i / t_i`` samples/s, with ``t_i`` the rank's arrival at
+  the gradient all-reduce as the others see it, ``step_time - sync_wait`` seconds
+  (:func:`~lightning_dynamix.control.allocation.arrival_time`: its data, compute, optimizer step and
+  per-step framework work, and any time it was descheduled; what the job pays at every step). Its own
+  wait for other ranks is excluded: that is the symptom, not the cause. While a rank's size
   stays the same its speed is smoothed with an exponential moving average
   ``s~_i <- smoothing * s~_i + (1 - smoothing) * s_i``; when its size changed, the average restarts
   from the new measurement (with affine times a speed measured at another size is another operating
@@ -18,6 +20,14 @@ The control law, per decision interval:
   became much slower or faster is followed at once rather than averaged with what it no longer is.
 * error of rank ``i``, in shares of the global batch: ``e_i = p_i - q_i``, with target share
   ``p_i = s~_i / sum_j s~_j`` and current share ``q_i = b_i / sum_j b_j``; ``sum_i e_i = 0``.
+  Once every rank has run at two sizes at least 10% apart among its last 8 intervals, its step is
+  modelled as a fixed plus a per-sample cost, ``t_i(b) = a_i + c_i b`` (least squares,
+  :func:`~lightning_dynamix.control.goodput.fit_step_time`; observations far from the model are a
+  rank that changed and are forgotten), and the target is instead the split that minimises the
+  slowest rank's step: ``p_i = b*_i / B`` with ``a_i + c_i b*_i`` equal on every rank within the
+  bounds (:func:`~lightning_dynamix.control.goodput.equal_time_sizes`), and no secant gain (the
+  target is already the model's answer). Only with ``adaptive_gain=True`` (the default). A rank
+  whose fixed cost alone outlasts the others' step gets 0 there, so with ``min_batch_size=0`` it sits out.
 * new share ``q_i' = q_i + kp * g_i * e_i + ki * I_i + kd * (e_i - e_i_prev)``, with ``I_i`` the sum
   of the errors of the intervals that changed the sizes and ``g_i`` the secant gain below (1 with
   ``adaptive_gain=False``).
@@ -55,10 +65,11 @@ rounding). Two things keep the sizes still:
 * anti-windup at the bounds: a rank held at a bound (or at the ``max_change`` cap) does not add
   its error to its integral.
 
-What it cannot do: with a fixed cost that dominates the step (``a_i >> c_i b_i``) the speeds barely
-depend on the split, the proposed change stays inside the dead band and an imbalance of a few times
-``dead_band`` can remain; :class:`~lightning_dynamix.control.goodput.GoodputController` fits the
-affine model and handles that case.
+What it cannot do: means over an interval balance the ranks' mean arrivals; a rank whose arrival
+varies from step to step (descheduled at random) makes the job wait for the latest of several
+draws, which no split of means sees. Before every rank has two sizes to fit, a fixed cost that
+dominates the step (``a_i >> c_i b_i``) makes speeds barely depend on the split, and the proposed
+change can stay inside the dead band.
 """
 
 from __future__ import annotations
@@ -69,7 +80,7 @@ from typing import Any
 
 from lightning_dynamix._checks import require_number
 from lightning_dynamix.control.allocation import (
-    own_busy_time,
+    arrival_time,
     proportional_fill,
     resolve_bounds,
     round_to_total,
@@ -77,6 +88,7 @@ from lightning_dynamix.control.allocation import (
     validate_bound_pair,
 )
 from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
+from lightning_dynamix.control.goodput import equal_time_sizes, equal_time_split, fit_step_time, observe_step_time
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
@@ -88,6 +100,10 @@ _SECANT_MIN_STEP = 0.05
 _MAX_SECANT_GAIN = 3.0
 # the integral (in shares of the global batch) is never allowed to exceed this in magnitude
 _INTEGRAL_LIMIT = 1.0
+# the step-time model: each rank's last _MODEL_WINDOW intervals, fitted once they span sizes at least
+# _MODEL_MIN_SPREAD apart (relative to the largest)
+_MODEL_WINDOW = 8
+_MODEL_MIN_SPREAD = 0.1
 
 
 def _capped_bounds(
@@ -154,8 +170,9 @@ class PIDController:
         lr_scaling: learning-rate rule when the global batch differs from the one of the first
             state seen (only with ``global_batch_size``); one of
             :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
-        adaptive_gain: divide each step by the rank's measured response to the previous one (the
-            secant gain of the module docstring, at most 3x), so that affine step times converge
+        adaptive_gain: use the ranks' measured response to the sizes: each step divided by the response
+            to the previous one (the secant gain of the module docstring, at most 3x) and, once fitted,
+            the target from each rank's fixed and per-sample cost, so that affine step times converge
             in a few intervals; ``False`` for the plain proportional law.
 
     Raises:
@@ -211,6 +228,7 @@ class PIDController:
         self._integral: list[float] = []
         self._previous_error: list[float] | None = None
         self._base_global_batch: int | None = None
+        self._observations: list[list[tuple[int, float]]] = []
 
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes from one interval's measurements (see the module docstring)."""
@@ -221,9 +239,10 @@ class PIDController:
             self._base_global_batch = state.global_batch
         total = self.global_batch_size if self.global_batch_size is not None else state.global_batch
 
-        busy = [own_busy_time(w) for w in state.workers]
+        busy = [arrival_time(w) for w in state.workers]
         if any(not (math.isfinite(t) and t > 0) for t in busy):
             return self._decision(current, state)
+        self._observations = observe_step_time(self._observations, current, busy, _MODEL_WINDOW)
         measured = [b / t for b, t in zip(current, busy)]
         if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
             self._speeds = measured
@@ -240,16 +259,20 @@ class PIDController:
             ]
         self._speed_sizes = list(current)
 
-        speed_sum = sum(self._speeds)
-        target = [s / speed_sum for s in self._speeds]
         share = [b / state.global_batch for b in current]
+        modelled = self._model_split(total, lower, upper) if self.adaptive_gain else None
+        if modelled is not None:
+            target = [b / sum(modelled) for b in modelled]
+        else:
+            speed_sum = sum(self._speeds)
+            target = [s / speed_sum for s in self._speeds]
         error = [p - q for p, q in zip(target, share)]
         previous = self._previous_error if self._previous_error is not None else error
         self._previous_error = error
         # the secant compares errors of the raw measurements: the smoothed one lags a change of speed
         measured_sum = sum(measured)
         raw_error = [s / measured_sum - q for s, q in zip(measured, share)]
-        gains = self._secant_gains(raw_error, current)
+        gains = self._secant_gains(raw_error, current) if modelled is None else [1.0] * n
         integral = [i + e for i, e in zip(self._integral, error)]
         desired = [
             q + self.kp * g * e + self.ki * i + self.kd * (e - e_prev)
@@ -292,6 +315,46 @@ class PIDController:
                 self._integral[i] = max(-_INTEGRAL_LIMIT, min(_INTEGRAL_LIMIT, integral[i]))
         return self._decision(proposal, state)
 
+    def step_models(self) -> list[tuple[float, float]] | None:
+        """Every rank's fitted ``(fixed, per_sample)`` step cost in seconds, ``None`` until every rank has
+        run at two sizes at least 10% apart among its recent intervals (see the module docstring)."""
+        models = []
+        for obs in self._observations:
+            sizes = [b for b, _ in obs]
+            if not sizes or max(sizes) - min(sizes) < _MODEL_MIN_SPREAD * max(sizes):
+                return None
+            models.append(fit_step_time(obs))
+        return models or None
+
+    def cost_models(self) -> list[tuple[float, float]] | None:
+        """:meth:`step_models` where fitted, else each rank's step proportional to its batch at its smoothed
+        speed, ``(0, 1 / s)``; ``None`` before the first measurement (or with a rank never seen training)."""
+        models = self.step_models()
+        if models is None and self._speeds is not None and all(s > 0 for s in self._speeds):
+            models = [(0.0, 1.0 / s) for s in self._speeds]
+        return models
+
+    def predicted_step(self, sizes: Sequence[int]) -> float | None:
+        """The slowest training rank's step at ``sizes`` by :meth:`cost_models`, seconds; ``None`` without them."""
+        models = self.cost_models()
+        if models is None or len(models) != len(sizes):
+            return None
+        return max((a + c * b for (a, c), b in zip(models, sizes) if b > 0), default=None)
+
+    def balanced_split(self, total: int, lower: Sequence[int], upper: Sequence[int | None]) -> tuple[int, ...] | None:
+        """``total`` samples split so that :meth:`cost_models` finish together, within bounds; ``None`` without them."""
+        models = self.cost_models()
+        if models is None or len(models) != len(lower):
+            return None
+        return equal_time_split(total, [a for a, _ in models], [c for _, c in models], lower, upper)
+
+    def _model_split(self, total: int, lower: Sequence[int], upper: Sequence[int | None]) -> list[float] | None:
+        models = self.step_models()
+        if models is None:
+            return None
+        sizes = equal_time_sizes(total, [a for a, _ in models], [c for _, c in models], lower, upper)
+        return sizes if sum(sizes) > 0 else None
+
     def _jumped(self, average: float, measured: float) -> bool:
         """Whether a new speed is so far from the average that the rank itself changed."""
         return self.restart_threshold is not None and abs(measured - average) > self.restart_threshold * average
@@ -325,7 +388,8 @@ class PIDController:
         A machine that stays keeps its smoothed speed, a new one starts from the mean of theirs; the
         integral, the last error and the secant's evidence belong to the old split and are dropped,
         and the next measured speeds replace the averages (the sizes differ), so the next decision is
-        made from the first interval measured on the new group.
+        made from the first interval measured on the new group; the step model is refitted from the
+        new group's intervals.
         """
         if self._speeds is None:
             return
@@ -335,6 +399,7 @@ class PIDController:
         self._integral = [0.0] * len(mapping)
         self._previous_error = None
         self._last_step = None
+        self._observations = []  # as the speeds: the step model is refitted from the new group's intervals
 
     def rank_speeds(self) -> list[float] | None:
         """Every rank's smoothed own speed, samples/s; ``None`` before the first measurement."""
@@ -349,6 +414,7 @@ class PIDController:
             "integral": list(self._integral),
             "previous_error": None if self._previous_error is None else list(self._previous_error),
             "base_global_batch": self._base_global_batch,
+            "observations": [[[b, t] for b, t in obs] for obs in self._observations],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -363,6 +429,7 @@ class PIDController:
         self._previous_error = None if previous is None else [float(e) for e in previous]
         base = state_dict.get("base_global_batch")
         self._base_global_batch = None if base is None else int(base)
+        self._observations = [[(int(b), float(t)) for b, t in obs] for obs in state_dict.get("observations", [])]
 
     def __repr__(self) -> str:
         return (

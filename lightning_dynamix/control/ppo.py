@@ -12,11 +12,21 @@ balanced split where its training found that pays, without a model of the system
 
 Safe fallbacks, so a policy never crashes a training run: a state with more ranks than the policy
 was trained for, or an observation that is not finite, keeps the current sizes (with one warning).
+
+Confidence fallback, so a policy never loses to its own balancer on a real job: how a global batch
+is split between ranks changes only the step time (never what a step learns), and the balancer
+measures each rank's step (a fixed and a per-sample cost once fitted, else its speed). Where the
+policy's per-rank adjustments would make the slowest rank's step more than ``fallback_tolerance``
+longer than the balancer's own split of the same global batch, by that measured model, the
+balancer's split is used instead (the policy's choice of global batch stays). A policy trained in
+a simulator that real machines do not match then costs nothing; :attr:`PPOController.fallbacks`
+counts such decisions.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,11 +34,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dynamix.control.allocation import resolve_bounds, validate_bound, validate_bound_pair
+from lightning_dynamix._checks import require_number
+from lightning_dynamix.control.allocation import (
+    resolve_bounds,
+    split_in_proportion,
+    validate_bound,
+    validate_bound_pair,
+)
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.metrics.state import ClusterState
 from lightning_dynamix.rl.files import PolicyFile, load_policy
-from lightning_dynamix.rl.policy import apply_adjustments, balancer
+from lightning_dynamix.rl.policy import KEEP, apply_adjustments, balancer
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +67,12 @@ class PPOController:
             likely ones, and the updated weights are saved with the checkpoint.
         finetune_kwargs: arguments of :class:`~lightning_dynamix.rl.finetune.OnlineFinetuner`
             (``n_steps``, ``learning_rate``, ``n_epochs``, ``batch_size``, ``gamma``, ``clip_range``).
+        keep_global_batch: never change the global batch (the job's action is taken as "keep", and the
+            ranks' adjustments are scaled back to the balancer's total): the policy only moves samples
+            between ranks.
+        fallback_tolerance: use the balancer's split of the policy's global batch where the policy's
+            split is predicted to make the step longer by more than this fraction (the confidence
+            fallback of the module docstring), >= 0; ``None`` always follows the policy.
 
     Raises:
         FileNotFoundError: when the policy file does not exist.
@@ -69,6 +91,8 @@ class PPOController:
         seed: int = 0,
         finetune: bool = False,
         finetune_kwargs: dict[str, Any] | None = None,
+        keep_global_batch: bool = False,
+        fallback_tolerance: float | None = 0.02,
     ) -> None:
         if not isinstance(deterministic, bool):
             raise ValueError(f"`deterministic` must be True or False, got {deterministic!r}")
@@ -76,6 +100,15 @@ class PPOController:
             raise ValueError(f"`finetune` must be True or False, got {finetune!r}")
         if finetune_kwargs and not finetune:
             raise ValueError(f"`finetune_kwargs` {finetune_kwargs!r} given without finetune=True")
+        if not isinstance(keep_global_batch, bool):
+            raise ValueError(f"`keep_global_batch` must be True or False, got {keep_global_batch!r}")
+        self.keep_global_batch = keep_global_batch
+        if fallback_tolerance is not None:
+            fallback_tolerance = require_number(
+                "fallback_tolerance", fallback_tolerance, 0.0, math.inf, low_open=False, high_open=True
+            )
+        self.fallback_tolerance = fallback_tolerance
+        self.fallbacks = 0
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=True, low=0)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
@@ -143,10 +176,31 @@ class PPOController:
             actions = self.finetuner.act(state, self.base_global_batch)
         else:
             actions = self.act(observation)
+        if self.keep_global_batch:
+            actions = np.array(actions, copy=True)
+            actions[0] = KEEP
         proposal = self.balancer.decide(state).batch_sizes
         lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
         self.decisions += 1
-        return Decision(apply_adjustments(proposal, actions, lower, upper))
+        sizes = apply_adjustments(proposal, actions, lower, upper)
+        if self.keep_global_batch and sum(sizes) != sum(proposal):  # the ranks' moves, at the same total
+            sizes = split_in_proportion(sum(proposal), sizes, lower, upper)
+        return Decision(self._confident(sizes, lower, upper))
+
+    def _confident(self, sizes: tuple[int, ...], lower: list[int], upper: list[int | None]) -> tuple[int, ...]:
+        """``sizes``, or the balancer's split of their total where that is measurably faster (see the module)."""
+        if self.fallback_tolerance is None:
+            return sizes
+        balanced = self.balancer.balanced_split(sum(sizes), lower, upper)
+        if balanced is None or balanced == sizes:
+            return sizes
+        policy_step, balanced_step = self.balancer.predicted_step(sizes), self.balancer.predicted_step(balanced)
+        if policy_step is None or balanced_step is None:
+            return sizes
+        if policy_step <= (1.0 + self.fallback_tolerance) * balanced_step:
+            return sizes
+        self.fallbacks += 1
+        return balanced
 
     @torch.no_grad()
     def act(self, observation: dict[str, np.ndarray]) -> np.ndarray:
@@ -177,6 +231,7 @@ class PPOController:
     def state_dict(self) -> dict[str, Any]:
         state = {
             "decisions": self.decisions,
+            "fallbacks": self.fallbacks,
             "generator": self._generator.get_state().tolist(),
             "warned": sorted(self._warned),
             "base_global_batch": self.base_global_batch,
@@ -188,6 +243,7 @@ class PPOController:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.decisions = int(state_dict["decisions"])
+        self.fallbacks = int(state_dict.get("fallbacks", 0))
         self._generator.set_state(torch.tensor(state_dict["generator"], dtype=torch.uint8))
         self._warned = set(state_dict.get("warned", []))
         self.base_global_batch = state_dict.get("base_global_batch")

@@ -125,6 +125,40 @@ def test_pid_equalises_affine_step_times_within_a_few_intervals_then_holds(fixed
     assert all(sum(h) == sum(sizes) for h in history)
 
 
+def arrival_state(sizes, compute, after_backward, transfer=0.002, min_batch_size=1):
+    """Ranks that leave the all-reduce together: each arrives after its compute and its optimizer step."""
+    arrival = [c + o for c, o in zip(compute, after_backward)]
+    step = max(arrival) + transfer
+    workers = tuple(
+        WorkerMetrics(rank=r, batch_size=b, compute_time=c, sync_wait=step - a, step_time=step)
+        for r, (b, c, a) in enumerate(zip(sizes, compute, arrival))
+    )
+    return ClusterState(workers=workers, min_batch_size=min_batch_size)
+
+
+def test_pid_balances_each_ranks_arrival_at_the_all_reduce_not_only_its_compute():
+    # equal compute per sample, but rank 1's optimizer step and per-step work take 20 ms to rank 0's 2 ms:
+    # equal arrivals need b0 - b1 = 180 (346:166); equal compute alone would keep 256:256
+    pid, sizes = PIDController(), (256, 256)
+    for _ in range(12):
+        sizes = pid.decide(arrival_state(sizes, [1e-4 * b for b in sizes], [0.002, 0.02])).batch_sizes
+    assert abs(sizes[0] - 346) <= 10
+    assert sum(sizes) == 512
+
+
+@pytest.mark.parametrize(("low", "expected"), [(0, (128, 0)), (1, (127, 1))])
+def test_pid_models_fixed_and_per_sample_cost_and_leaves_a_rank_whose_fixed_cost_outlasts_the_others(low, expected):
+    # rank 1's fixed cost alone (100 ms) is four times rank 0's whole step with every sample (23 ms)
+    pid, sizes, history = PIDController(), (64, 64), []
+    for _ in range(8):
+        compute = [0.01 + 1e-4 * sizes[0], 0.001 if sizes[1] == 0 else 0.1 + 8e-4 * sizes[1]]
+        sizes = pid.decide(arrival_state(sizes, compute, [0.0, 0.0], min_batch_size=low)).batch_sizes
+        history.append(sizes)
+    assert history[2:] == [expected] * 6, history  # the model's answer from the third decision on
+    assert pid.step_models() is not None
+    assert pid.predicted_step((127, 1)) == pytest.approx(0.1 + 8e-4, rel=0.05)
+
+
 @pytest.mark.parametrize("seed", range(5))
 @AFFINE_CLUSTERS
 def test_pid_without_adaptive_gain_converges_monotonically_on_affine_times(fixed, per_sample, seed):

@@ -299,3 +299,43 @@ def test_the_finetuning_reward_is_zero_for_a_balanced_step_at_the_first_batch_an
     # and less where the noise scale is small (each sample carries less progress)
     assert reward(state([0.1, 0.1]), base=32) == pytest.approx(0.0)
     assert reward(state([0.1, 0.1], noise=32.0), base=32) == pytest.approx(2 * (32 / 96) / (32 / 64) - 2.0)
+
+
+def _job_step(sizes, fixed, per_sample):
+    return max(a + c * b for a, c, b in zip(fixed, per_sample, sizes) if b > 0)
+
+
+class StubbornPolicy(PPOController):
+    """A policy that real machines do not match: it always grows the job, the slow rank by 25%, the fast one less."""
+
+    def act(self, observation):
+        return np.array([4, 1, 4])  # job +25%, rank 0 -10%, rank 1 +25%
+
+
+def test_keep_global_batch_leaves_the_policy_only_the_split():
+    from tests.unit.test_controllers import simulate
+
+    history = simulate(StubbornPolicy(keep_global_batch=True), [256, 256], [1e-4, 3e-4], fixed=[0.01, 0.01])
+    assert all(sum(h) == 512 for h in history)
+    grown = simulate(StubbornPolicy(), [256, 256], [1e-4, 3e-4], fixed=[0.01, 0.01], intervals=2)
+    assert sum(grown[-1]) > 512  # without it the job's action grows the global batch
+
+
+@pytest.mark.parametrize(("fixed", "per_sample"), [([0.01, 0.01], [1e-4, 3e-4]), ([0.002, 0.04], [1e-4, 8e-4])])
+def test_the_confidence_fallback_never_lets_the_policy_split_a_batch_measurably_slower_than_its_balancer(
+    fixed, per_sample
+):
+    from tests.unit.test_controllers import simulate
+
+    def worst_after_the_first_decisions(ppo):
+        history = simulate(ppo, [256, 256], per_sample, fixed=fixed, intervals=12, noise=0.0)
+        balanced = ppo.balancer.balanced_split(512, [1, 1], [None, None])
+        return max(_job_step(h, fixed, per_sample) for h in history[3:]) / _job_step(balanced, fixed, per_sample)
+
+    trusting = StubbornPolicy(keep_global_batch=True, fallback_tolerance=None)
+    assert worst_after_the_first_decisions(trusting) > 1.1  # the policy alone moves samples to the slow rank
+    guarded = StubbornPolicy(keep_global_batch=True)
+    assert worst_after_the_first_decisions(guarded) <= 1.02 + 1e-6
+    assert guarded.fallbacks >= 9
+    with pytest.raises(ValueError, match="fallback_tolerance"):
+        PPOController(fallback_tolerance=-0.1)

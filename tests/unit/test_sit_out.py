@@ -132,7 +132,9 @@ def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_oth
     assert history[-1][2] == 0
     assert sum(history[-1]) == 96
     without_straggler = job_step_time([48, 48, 0], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
-    assert job_step_time(history[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE) == pytest.approx(without_straggler)
+    # as fast as without the straggler, within the dead band
+    reached = job_step_time(history[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
+    assert reached == pytest.approx(without_straggler, rel=0.02)
     # without min_batch_size=0 it must keep at least one sample there, and the job waits for it
     kept = GoodputController(dead_band=0.02)
     bounded = run_loop(
