@@ -184,9 +184,12 @@ class Contention:
 
     The cgroups are created under ``cgroup_root/dynamix-bench-<pid>`` (every rank finds them through
     an environment variable its launcher sets) and removed on exit, with the busy processes killed.
+    Raises ``ValueError`` at construction when quotas are asked for and cannot be set here.
     """
 
     def __init__(self, places: list[RankPlace] | None, cgroup_root: Path = CGROUP_CPU_ROOT) -> None:
+        if places is not None and any(p.quota is not None for p in places):
+            check_cgroup_rights(cgroup_root)
         self.places = places
         self.cgroup_root = cgroup_root
         self.group: Path | None = None
@@ -200,7 +203,6 @@ class Contention:
         os.environ[_CPUS_ENV] = ",".join(map(str, self._affinity))
         try:
             if any(p.quota is not None for p in self.places):
-                check_cgroup_rights(self.cgroup_root)
                 self._cgroup_home = self.cgroup_root / _own_cgroup("cpu").lstrip("/")
                 self.group = self.cgroup_root / f"dynamix-bench-{os.getpid()}"
                 self.group.mkdir()

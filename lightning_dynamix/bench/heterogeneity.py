@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -181,31 +182,55 @@ def _contention(args: argparse.Namespace) -> contention.Contention:
     """The contention ``args`` ask for, checked against this machine: a ``SystemExit`` saying what it cannot do."""
     try:
         places = contention.plan(args.contention, args.speeds)
-        if places is not None and any(p.quota is not None for p in places):
-            contention.check_cgroup_rights()
+        if places is not None and args.schedule:
+            raise ValueError(
+                f"--schedule changes the emulator's speeds: it needs --contention emulate, not {args.contention}"
+            )
+        # only the launching process starts busy processes and cgroups; its ranks take their places
+        return contention.Contention(places if is_launcher_rank_zero() else None)
     except ValueError as error:
         raise SystemExit(str(error)) from None
-    if places is not None and args.schedule:
-        raise SystemExit(f"--schedule changes the emulator's speeds: needs --contention emulate, got {args.contention}")
-    # only the launching process starts busy processes and cgroups; its ranks take their places
-    return contention.Contention(places if is_launcher_rank_zero() else None)
+
+
+def _fixed_split_measure(config: RunConfig, after_step: int) -> Callable[[tuple[int, ...]], float]:
+    """Samples/s of ``config`` run with a fixed split, after ``after_step``; every rank gets the figure."""
+
+    def measure(split: tuple[int, ...]) -> float:
+        result = run(dataclasses.replace(config, controller="static", batch_sizes=split), on_every_rank=True)
+        assert result is not None  # every rank takes the search's next step
+        value = samples_per_second(result, after_step)
+        if is_launcher_rank_zero():
+            print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
+        return value
+
+    return measure
+
+
+def _oracle(args: argparse.Namespace, measure: Callable[[tuple[int, ...]], float], low: int) -> dict[str, Any]:
+    """The oracle's search for the best fixed split of the initial global batch (see :func:`find_best_fixed_split`)."""
+    world = len(args.speeds)
+    best, rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world), low)
+    return {
+        "best_split": list(best),
+        "best_samples_per_second_in_search": rate,
+        "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
+    }
 
 
 def run_balance(args: argparse.Namespace) -> None:
-    world = len(args.speeds)
-    half = args.steps // 2
     if args.min_batch_size < 0:
         raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
-    controllers = args.controller.split(",")
     with _contention(args):
-        summary = _balance_runs(args, controllers, world, half)
+        summary = _balance_runs(args)
     if summary is not None:
-        _report_balance(args, summary, controllers)
+        _report_balance(args, summary)
 
 
-def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, half: int) -> dict[str, Any] | None:
+def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
+    controllers = args.controller.split(",")
+    half = args.steps // 2
     config = RunConfig(
         controller=controllers[0],
         speeds=args.speeds,
@@ -220,27 +245,10 @@ def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, 
         min_batch_size=args.min_batch_size,
         keep_global_batch=args.keep_global_batch,
     )
-    oracle = None
+    measure = _fixed_split_measure(config, half)
+    # the same run with fixed splits, measured before the controllers'
+    oracle = _oracle(args, measure, args.min_batch_size) if args.oracle else None
     fixed_rates: list[float] = []
-
-    def measure(split: tuple[int, ...]) -> float:
-        fixed = dataclasses.replace(config, controller="static", batch_sizes=split)
-        result = run(fixed, on_every_rank=True)  # every rank takes the search's next step
-        assert result is not None
-        value = samples_per_second(result, half)
-        if is_launcher_rank_zero():
-            print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
-        return value
-
-    if args.oracle:  # the same run with fixed splits, measured before the controllers'
-        best, best_rate, measured = find_best_fixed_split(
-            measure, args.batch_size * world, world, _finest(args, world), low=args.min_batch_size
-        )
-        oracle = {
-            "best_split": list(best),
-            "best_samples_per_second_in_search": best_rate,
-            "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
-        }
     runs: dict[str, list[RunResult]] = {c: [] for c in controllers}
     for _ in range(args.rounds):
         # the best of many noisy measurements is biased upwards: the controllers are judged against fresh
@@ -260,6 +268,7 @@ def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, 
     table: dict[str, Any] = {}
     for controller, results in runs.items():
         rates = [samples_per_second(r, half) for r in results]
+        settling = None if change is None else settling_intervals(results[0], change)
         table[controller] = {
             "samples_per_second_rounds": rates,
             "samples_per_second_second_half": statistics.median(rates),
@@ -268,48 +277,39 @@ def _balance_runs(args: argparse.Namespace, controllers: list[str], world: int, 
             else statistics.median(rates) / oracle["best_samples_per_second"],
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
+            # a speed change: decisions until the first round's sizes settled, and throughput / ideal after
+            "settling_intervals": settling,
+            "throughput_to_ideal_after_settling": None
+            if settling is None
+            else _ratio_after(results[0], change + args.interval * settling),  # type: ignore[operator]
         }
-    first = runs[controllers[0]][0]
-    summary: dict[str, Any] = {
-        "benchmark": "balance",
-        "controller": controllers[0],
-        "contention": args.contention,
-        "speeds": list(args.speeds),
-        "throughput_to_ideal_second_half": table[controllers[0]]["throughput_to_ideal_second_half"],
-        "throughput_to_ideal_all": first.throughput_to_ideal,
-        "final_batch_sizes": first.intervals[-1]["next_batch_sizes"] if first.intervals else None,
-        "samples_per_second_second_half": table[controllers[0]]["samples_per_second_second_half"],
-        "oracle": oracle,
-        "fraction_of_best_fixed_split": table[controllers[0]]["fraction_of_best_fixed_split"],
-        "controllers": table,
-        "settling_intervals": None if change is None else settling_intervals(first, change),
-        "throughput_to_ideal_after_settling": None,
-        "intervals": first.intervals,
-        "runs": {c: [r.intervals for r in results] for c, results in runs.items()},
-        "config": first.config,
-        "machine": _machine(),
-    }
-    if change is not None and summary["settling_intervals"] is not None:
-        settled_step = change + args.interval * summary["settling_intervals"]
-        summary["throughput_to_ideal_after_settling"] = _ratio_after(first, settled_step)
     if args.plot is not None:
         plot_runs({c: results[0] for c, results in runs.items()}, args.plot, title=f"speeds {list(args.speeds)}")
-    return summary
+    return {
+        "benchmark": "balance",
+        "contention": args.contention,
+        "speeds": list(args.speeds),
+        "oracle": oracle,
+        "controllers": table,
+        "runs": {c: [r.intervals for r in results] for c, results in runs.items()},  # per controller, per round
+        "config": dataclasses.asdict(config),
+        "machine": _machine(),
+    }
 
 
-def _report_balance(args: argparse.Namespace, summary: dict[str, Any], controllers: list[str]) -> None:
+def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     if args.output is not None:
         args.output.write_text(json.dumps(summary, indent=2))
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("intervals", "runs")}, indent=2))
+        print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
         return
-    for controller in controllers:
+    for controller, rounds in summary["runs"].items():
         print(
             f"\ndynamix bench balance: {len(args.speeds)} processes, speeds {list(args.speeds)} ({args.contention}),"
             f" controller {controller}, {args.steps} steps, decisions every {args.interval}, first round"
         )
         print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
-        for i in summary["runs"][controller][0]:
+        for i in rounds[0]:
             compute = ", ".join(f"{1e3 * c:.1f}" for c in i["compute_time"])
             sizes = ",".join(map(str, i["batch_sizes"]))
             print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
@@ -329,12 +329,12 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any], controlle
             f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
             f"  {row['throughput_to_ideal_second_half']:>7.3f}"
         )
-    change = args.schedule[0][0] if args.schedule else None
-    if change is not None:
-        print(
-            f"after the speed change at step {change}: settled in {summary['settling_intervals']} decision(s);"
-            f" throughput / ideal after settling {summary['throughput_to_ideal_after_settling']:.3f}"
-        )
+        if row["settling_intervals"] is not None:
+            print(
+                f"{'':>10}  after the speed change at step {args.schedule[0][0]}: settled in"
+                f" {row['settling_intervals']} decision(s); throughput / ideal after settling"
+                f" {row['throughput_to_ideal_after_settling']:.3f}"
+            )
 
 
 def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
@@ -386,61 +386,34 @@ def run_tta(args: argparse.Namespace) -> None:
 
 def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     controllers = args.controllers.split(",")
-    world = len(args.speeds)
+    base = RunConfig(
+        speeds=args.speeds,
+        contention=args.contention,
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        interval=args.interval,
+        hidden=args.hidden,
+        lr=args.lr,
+        lr_scaling=args.lr_scaling,
+        architecture=args.architecture,
+        depth=args.depth,
+        optimizer=args.optimizer,
+        target_accuracy=args.target_accuracy,
+        schedule=args.schedule,
+    )
     best: tuple[int, ...] | None = None
     oracle = None
-    if args.oracle:
-
-        def measure(split: tuple[int, ...]) -> float:
-            config = RunConfig(
-                controller="static",
-                speeds=args.speeds,
-                contention=args.contention,
-                batch_size=args.batch_size,
-                batch_sizes=split,
-                epochs=1000,
-                max_steps=args.oracle_steps,
-                interval=args.interval,
-                hidden=args.hidden,
-                architecture=args.architecture,
-                depth=args.depth,
-                optimizer=args.optimizer,
-                val_checks_per_epoch=1,
-            )
-            result = run(config, on_every_rank=True)
-            assert result is not None
-            value = samples_per_second(result, args.oracle_steps // 2)
-            if is_launcher_rank_zero():
-                print(f"fixed split {','.join(map(str, split))}: {value:.1f} samples/s", flush=True)
-            return value
-
-        best, rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world))
-        oracle = {
-            "best_split": list(best),
-            "best_samples_per_second_in_search": rate,
-            "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
-        }
+    if args.oracle:  # short runs of fixed splits, then the best one trained like the controllers
+        search = dataclasses.replace(base, epochs=1000, max_steps=args.oracle_steps, val_checks_per_epoch=1)
+        oracle = _oracle(args, _fixed_split_measure(search, args.oracle_steps // 2), low=1)
+        best = tuple(oracle["best_split"])
         controllers = ["best-fixed", *controllers]
     results: dict[str, list[RunResult]] = {c: [] for c in controllers}
     for seed in range(args.seeds):
         for controller in controllers:  # interleaved: drift on the machine hits all alike
-            config = RunConfig(
-                controller="static" if controller == "best-fixed" else controller,
-                batch_sizes=best if controller == "best-fixed" else None,
-                speeds=args.speeds,
-                contention=args.contention,
-                batch_size=args.batch_size,
-                epochs=args.epochs,
-                interval=args.interval,
-                hidden=args.hidden,
-                lr=args.lr,
-                lr_scaling=args.lr_scaling,
-                architecture=args.architecture,
-                depth=args.depth,
-                optimizer=args.optimizer,
-                target_accuracy=args.target_accuracy,
-                schedule=args.schedule,
-                seed=seed,
+            fixed = controller == "best-fixed"
+            config = dataclasses.replace(
+                base, controller="static" if fixed else controller, batch_sizes=best if fixed else None, seed=seed
             )
             result = run(config)
             if result is not None:

@@ -88,7 +88,7 @@ from lightning_dynamix.control.allocation import (
     validate_bound_pair,
 )
 from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
-from lightning_dynamix.control.goodput import equal_time_sizes, equal_time_split, fit_step_time, observe_step_time
+from lightning_dynamix.control.goodput import equal_time_sizes, fit_step_time, observe_step_time
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
@@ -123,6 +123,16 @@ def _capped_bounds(
             low.append(cap_lo)
             high.append(cap_hi)
     return low, high
+
+
+def _equal_time(
+    models: list[tuple[float, float]] | None, total: int, lower: Sequence[int], upper: Sequence[int | None]
+) -> list[float] | None:
+    """The unrounded split of ``total`` at which ``(fixed, per_sample)`` models finish together; ``None`` without."""
+    if models is None or len(models) != len(lower):
+        return None
+    sizes = equal_time_sizes(total, [a for a, _ in models], [c for _, c in models], lower, upper)
+    return sizes if sum(sizes) > 0 else None
 
 
 def _as_bound(value: int | tuple[int, ...] | None) -> int | list[int] | None:
@@ -260,7 +270,7 @@ class PIDController:
         self._speed_sizes = list(current)
 
         share = [b / state.global_batch for b in current]
-        modelled = self._model_split(total, lower, upper) if self.adaptive_gain else None
+        modelled = _equal_time(self.step_models(), total, lower, upper) if self.adaptive_gain else None
         if modelled is not None:
             target = [b / sum(modelled) for b in modelled]
         else:
@@ -343,17 +353,8 @@ class PIDController:
 
     def balanced_split(self, total: int, lower: Sequence[int], upper: Sequence[int | None]) -> tuple[int, ...] | None:
         """``total`` samples split so that :meth:`cost_models` finish together, within bounds; ``None`` without them."""
-        models = self.cost_models()
-        if models is None or len(models) != len(lower):
-            return None
-        return equal_time_split(total, [a for a, _ in models], [c for _, c in models], lower, upper)
-
-    def _model_split(self, total: int, lower: Sequence[int], upper: Sequence[int | None]) -> list[float] | None:
-        models = self.step_models()
-        if models is None:
-            return None
-        sizes = equal_time_sizes(total, [a for a, _ in models], [c for _, c in models], lower, upper)
-        return sizes if sum(sizes) > 0 else None
+        sizes = _equal_time(self.cost_models(), total, lower, upper)
+        return None if sizes is None else round_to_total(sizes, total, lower, upper)
 
     def _jumped(self, average: float, measured: float) -> bool:
         """Whether a new speed is so far from the average that the rank itself changed."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,12 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
         "--interval", "5", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert [i["step"] for i in result["intervals"]] == [10, 15, 20, 25, 30]
-    assert result["settling_intervals"] is not None
-    assert 0 < result["throughput_to_ideal_second_half"] <= 1.05
+    (intervals,) = result["runs"]["pid"]
+    assert [i["step"] for i in intervals] == [10, 15, 20, 25, 30]
+    pid = result["controllers"]["pid"]
+    assert pid["settling_intervals"] is not None
+    assert 0 < pid["throughput_to_ideal_second_half"] <= 1.05
+    assert 0 < pid["throughput_to_ideal_after_settling"] <= 1.05
 
 
 def test_bench_balance_lets_goodput_sit_a_straggler_out_and_refuses_a_negative_bound(tmp_path):
@@ -71,7 +75,7 @@ def test_bench_balance_lets_goodput_sit_a_straggler_out_and_refuses_a_negative_b
         "--keep-global-batch", "--batch-size", "16", "--hidden", "64", "--steps", "40", "--output", str(out),
         cwd=tmp_path,
     )  # fmt: skip
-    sizes = [i["next_batch_sizes"] for i in json.loads(out.read_text())["intervals"]]
+    sizes = [i["next_batch_sizes"] for i in json.loads(out.read_text())["runs"]["goodput"][0]]
     assert all(sum(s) == 48 for s in sizes)  # the global batch is kept
     assert sizes[-1][2] == 0  # the 8x slower rank sits out
     refused = subprocess.run(
@@ -100,6 +104,7 @@ def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_a
     assert oracle["best_samples_per_second_in_search"] == max(m["samples_per_second"] for m in oracle["measured"])
     # the best split is run again in each round, in turn with the controllers, and they are judged against that
     assert len(oracle["best_samples_per_second_rounds"]) == 2
+    assert oracle["best_samples_per_second"] == statistics.median(oracle["best_samples_per_second_rounds"])
     for controller in ("static", "pid"):
         row = result["controllers"][controller]
         assert len(row["samples_per_second_rounds"]) == 2
@@ -111,14 +116,6 @@ def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_a
     assert all(i["compute_time"][1] > 1.3 * i["compute_time"][0] for i in static)
     assert result["controllers"]["pid"]["final_batch_sizes"][0][1] < 128
     assert "best fixed split" in printed
-    assert not [line for line in Path("/proc").glob("*/cmdline") if b"while True" in _read(line)]
-
-
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError:  # a process that ended
-        return b""
 
 
 def test_bench_balance_refuses_contention_this_machine_cannot_provide(tmp_path):

@@ -58,7 +58,7 @@ def test_quota_without_a_cgroup_v1_cpu_controller_is_refused(tmp_path):
     with pytest.raises(ValueError, match="needs the cgroup v1 cpu controller at"):
         contention.check_cgroup_rights(tmp_path)
     with pytest.raises(ValueError, match="needs the cgroup v1 cpu controller"):
-        Contention(plan("quota", [1, 2], cpus=[0, 1]), cgroup_root=tmp_path).__enter__()
+        Contention(plan("quota", [1, 2], cpus=[0, 1]), cgroup_root=tmp_path)
 
 
 def _affinity(pid: int) -> set[int]:
@@ -77,6 +77,32 @@ def test_busy_processes_run_pinned_to_the_slow_ranks_core_and_end_with_the_block
         pids = [proc.pid for proc in started.busy]
     assert all(not Path(f"/proc/{pid}").exists() for pid in pids)
     assert os.sched_getaffinity(0) == set(cpus)
+
+
+_ORPHAN = """
+import os, sys
+from lightning_dynamix.bench.contention import Contention, RankPlace
+started = Contention([RankPlace(cores=(int(sys.argv[1]),), busy=1)]).__enter__()
+print(started.busy[0].pid, flush=True)
+os._exit(0)  # killed, in effect: no clean-up
+"""
+
+
+def test_a_busy_process_ends_by_itself_when_its_launcher_is_gone_without_cleaning_up():
+    core = sorted(os.sched_getaffinity(0))[-1]
+    launcher = subprocess.run([sys.executable, "-c", _ORPHAN, str(core)], capture_output=True, text=True, check=True)
+    pid = int(launcher.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists() or _state(pid) == "Z"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 _SPIN = """
