@@ -4,7 +4,7 @@ from lightning_dynamix.distributed.collectives import (
     broadcast_floats,
     gather_floats,
     gather_ints,
-    let_backend_threads_finish_at_exit,
+    let_backend_threads_finish,
     set_batch_sizes_on_every_rank,
     weighted_mean_all_reduce,
 )
@@ -25,7 +25,7 @@ __all__ = [
     "broadcast_floats",
     "gather_floats",
     "gather_ints",
-    "let_backend_threads_finish_at_exit",
+    "let_backend_threads_finish",
     "report_gradient_norms",
     "set_batch_sizes_on_every_rank",
     "training_ranks_group",

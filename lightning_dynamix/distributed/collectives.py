@@ -1,8 +1,9 @@
-"""Small collectives the training loop needs: weighted means and agreement checks; a clean exit after them."""
+"""Small collectives the training loop needs: weighted means and agreement checks; exits and forks after them."""
 
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -16,27 +17,45 @@ if TYPE_CHECKING:
 
 # seconds the exit handler releases the interpreter for, so that backend threads finish their work
 _EXIT_GRACE_SECONDS = 0.2
-_exit_handler_registered = False
+# seconds a fork waits with the interpreter released while a process group is initialized
+FORK_GRACE_SECONDS = 0.02
+_handlers_registered = False
 
 
 def _let_backend_threads_finish() -> None:
     time.sleep(_EXIT_GRACE_SECONDS)
 
 
-def let_backend_threads_finish_at_exit() -> None:
-    """Register (once per process) an exit handler that lets the process group's threads finish first.
+def _let_backend_threads_finish_before_fork() -> None:
+    if dist.is_available() and dist.is_initialized():
+        time.sleep(FORK_GRACE_SECONDS)
 
-    A gloo worker thread frees a finished collective's work, and the Python tensors it holds, just
-    after the collective has returned to Python. If the script ends at that moment, the thread
-    meets an interpreter already shutting down, cannot take the GIL, and the process aborts with
-    "terminate called without an active exception" (SIGABRT) although training finished: more
-    often on a loaded machine, where the thread waits longer for a core. Python runs exit handlers
-    while the interpreter is still whole; this one releases it for a fraction of a second.
+
+def let_backend_threads_finish() -> None:
+    """Register (once per process) handlers that let the process group's threads finish before an exit or a fork.
+
+    A gloo worker thread frees a finished collective's work, and the Python tensors and callbacks
+    it holds, just after the collective has returned to Python; to do so it creates a Python
+    thread state, under the interpreter's lock of thread states, before it takes the GIL.
+
+    * Exit: if the script ends at that moment, the thread meets an interpreter already shutting
+      down, cannot take the GIL, and the process aborts with "terminate called without an active
+      exception" (SIGABRT) although training finished: more often on a loaded machine, where the
+      thread waits longer for a core. Python runs exit handlers while the interpreter is still
+      whole; this one releases it for a fraction of a second.
+    * Fork (a DataLoader starting its worker processes, by default at every fit or epoch, just
+      after the loop's collectives): a child forked while that thread holds the lock of thread
+      states inherits it locked, and CPython 3.11 takes it in the child before the child runs any
+      Python (``PyOS_AfterFork_Child``): the worker hangs before its first batch, and the job with
+      it. Seen about once in 25 runs of a two-rank job resumed from a checkpoint with two workers
+      per rank. While a process group is initialized, a fork first releases the interpreter for
+      :data:`FORK_GRACE_SECONDS`, so the threads of collectives that have returned finish first.
     """
-    global _exit_handler_registered
-    if not _exit_handler_registered:
+    global _handlers_registered
+    if not _handlers_registered:
         atexit.register(_let_backend_threads_finish)
-        _exit_handler_registered = True
+        os.register_at_fork(before=_let_backend_threads_finish_before_fork)
+        _handlers_registered = True
 
 
 def weighted_mean_all_reduce(

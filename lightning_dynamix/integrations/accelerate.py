@@ -62,7 +62,7 @@ from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
-    let_backend_threads_finish_at_exit,
+    let_backend_threads_finish,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
     weighted_allreduce_hook,
@@ -246,7 +246,7 @@ class DynamixAccelerate:
                 " `torchrun --nproc_per_node N script.py` (N >= 2), or train without DynamixAccelerate on one process."
             )
         self.accelerator = accelerator
-        let_backend_threads_finish_at_exit()
+        let_backend_threads_finish()
         self.min_batch_size = require_int("min_batch_size", min_batch_size, 0)
         self.max_batch_size = require_optional_int(
             "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None

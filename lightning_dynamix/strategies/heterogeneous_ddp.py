@@ -62,7 +62,7 @@ from lightning_dynamix.distributed import (
     LossReduction,
     SyncWindowWeighting,
     WeightedAllReduceState,
-    let_backend_threads_finish_at_exit,
+    let_backend_threads_finish,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
     training_ranks_group,
@@ -259,7 +259,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()
         self._weighting = SyncWindowWeighting(self.global_rank, self.loss_reduction)
-        let_backend_threads_finish_at_exit()
+        let_backend_threads_finish()
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int
-from lightning_dynamix.distributed import let_backend_threads_finish_at_exit
+from lightning_dynamix.distributed import let_backend_threads_finish
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
 from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, RemoteTable, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
@@ -152,7 +152,7 @@ class LayerOffloadStrategy(DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        let_backend_threads_finish_at_exit()
+        let_backend_threads_finish()
         module = self.lightning_module
         assert module is not None
         targets = self._select(module)
