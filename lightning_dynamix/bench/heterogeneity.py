@@ -99,7 +99,8 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds",
         type=int,
         default=1,
-        help="runs per controller, in turn with (under --oracle) a fresh run of the best fixed split (default 1)",
+        help="runs per controller, in turn with (under --oracle) a fresh run of the best fixed split, each round"
+        " starting one further along (default 1)",
     )
 
 
@@ -250,12 +251,17 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     oracle = _oracle(args, measure, args.min_batch_size) if args.oracle else None
     fixed_rates: list[float] = []
     runs: dict[str, list[RunResult]] = {c: [] for c in controllers}
-    for _ in range(args.rounds):
-        # the best of many noisy measurements is biased upwards: the controllers are judged against fresh
-        # runs of that split, in turn with theirs, so drift on the machine hits both alike
-        if oracle is not None:
-            fixed_rates.append(measure(tuple(oracle["best_split"])))
-        for controller in controllers:
+    # the best of many noisy measurements is biased upwards: the controllers are judged against fresh
+    # runs of that split, in turn with theirs, so drift on the machine hits both alike; each round starts
+    # one further along the list, so that none always runs first or last
+    best = tuple(oracle["best_split"]) if oracle is not None else None
+    turns: list[str | None] = [None, *controllers] if best is not None else list(controllers)
+    for k in range(args.rounds):
+        for controller in turns[k % len(turns) :] + turns[: k % len(turns)]:
+            if controller is None:
+                assert best is not None
+                fixed_rates.append(measure(best))
+                continue
             result = run(dataclasses.replace(config, controller=controller))
             if result is not None:
                 runs[controller].append(result)

@@ -87,30 +87,65 @@ def fit_step_time(observations: Sequence[tuple[float, float]]) -> tuple[float, f
     return 0.0, sum(b * t for b, t in zip(sizes, times)) / sum(b * b for b in sizes)
 
 
-def observe_step_time(
-    observations: list[list[tuple[int, float]]], sizes: Sequence[int], times: Sequence[float], window: int
-) -> list[list[tuple[int, float]]]:
-    """Add one interval's ``(size, time)`` per rank to each rank's last ``window`` observations.
+class StepTimes:
+    """Each rank's last ``window`` ``(size, time)`` observations of its step, the data of its model.
 
     A rank at size 0 (sitting out) adds nothing: its model stays what its last samples showed. An
-    observation farther than 25% from what the rank's model predicts means the rank itself changed:
-    its older observations are forgotten. That is judged only where the model is measured: at a size
-    already observed, or from an affine fit (two sizes or more); a proportional guess from one other
-    size would take every affine rank for a changed one. Returns the lists (new ones if the number of ranks changed).
+    observation farther than 25% from what the rank's model predicts is a suspect: on a shared
+    machine one such interval is noise (a rank descheduled for 100 ms in one step, a CPU quota's
+    throttling), and forgetting the rank's past for it moved a third of the batch for one interval;
+    it joins the observations like any other. A second one in a row, on the same side, means the
+    rank itself changed: its older observations are forgotten, the two kept. A suspect is judged
+    only where the model is measured: at a size already observed, or from an affine fit (two sizes
+    or more); a proportional guess from one other size would take every affine rank for a changed
+    one. Its confirmation may come from such a guess (the sizes often change after a suspect).
     """
-    if len(observations) != len(sizes):  # another group without regroup(): nothing carries over
-        observations = [[] for _ in sizes]
-    for obs, b, t in zip(observations, sizes, times):
-        if b == 0:
-            continue
-        if obs and (len({size for size, _ in obs}) >= 2 or obs[-1][0] == b):
-            alpha, beta = fit_step_time(obs)
-            predicted = alpha + beta * b
-            if abs(t - predicted) > _SPEED_CHANGE_TOLERANCE * predicted:
-                obs.clear()
-        obs.append((int(b), float(t)))
-        del obs[:-window]
-    return observations
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self.ranks: list[list[tuple[int, float]]] = []
+        self.suspect: list[bool] = []
+        """Per rank: whether its last observation was off its model and not (yet) confirmed by another."""
+        self._off: list[float] = []
+
+    def observe(self, sizes: Sequence[int], times: Sequence[float]) -> None:
+        """Add one interval's size and time per rank (a new number of ranks starts every rank afresh)."""
+        if len(self.ranks) != len(sizes):  # another group without regroup(): nothing carries over
+            self.ranks = [[] for _ in sizes]
+            self.suspect = [False] * len(sizes)
+            self._off = [0.0] * len(sizes)
+        for r, (obs, b, t) in enumerate(zip(self.ranks, sizes, times)):
+            if b == 0:
+                continue
+            previous, self._off[r], self.suspect[r] = self._off[r], 0.0, False
+            # confirming a suspect, the model is the one it was judged by, which may guess from one size
+            basis = obs[:-1] if previous and len(obs) > 1 else obs
+            if basis and (previous or len({size for size, _ in basis}) >= 2 or basis[-1][0] == b):
+                alpha, beta = fit_step_time(basis)
+                predicted = alpha + beta * b
+                off = (t - predicted) / predicted if predicted > 0 else math.inf
+                if abs(off) > _SPEED_CHANGE_TOLERANCE:
+                    if previous * off > 0:  # the interval before was off on the same side: a change
+                        del obs[:-1]
+                    else:
+                        self._off[r], self.suspect[r] = off, True
+            obs.append((int(b), float(t)))
+            del obs[: -self.window]
+
+    def regroup(self, mapping: Sequence[int | None]) -> None:
+        """New rank ``i`` keeps old rank ``mapping[i]``'s observations (``None``: a new machine, none)."""
+        self.ranks = [list(self.ranks[p]) if p is not None else [] for p in mapping]
+        self.suspect = [False] * len(mapping)
+        self._off = [0.0] * len(mapping)
+
+    def state_dict(self) -> list[list[list[float]]]:
+        """Every rank's ``[size, time]`` observations (whether the last one was a suspect is not saved)."""
+        return [[[b, t] for b, t in obs] for obs in self.ranks]
+
+    def load_state_dict(self, saved: Sequence[Sequence[Sequence[float]]]) -> None:
+        self.ranks = [[(int(b), float(t)) for b, t in obs] for obs in saved]
+        self.suspect = [False] * len(self.ranks)
+        self._off = [0.0] * len(self.ranks)
 
 
 def equal_time_split(
@@ -230,7 +265,7 @@ class GoodputController:
         self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         self._base_global_batch: int | None = base_batch_size
-        self._observations: list[list[tuple[int, float]]] = []
+        self._step_times = StepTimes(self.window)
 
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes, and the learning-rate scale for their global batch (see the module docstring)."""
@@ -243,8 +278,8 @@ class GoodputController:
         arrival = [arrival_time(w) for w in state.workers]
         if any(not (math.isfinite(t) and t > 0) for t in arrival):
             return self._decision(current, noise)
-        self._observations = observe_step_time(self._observations, current, arrival, self.window)
-        fitted = [fit_step_time(obs) if obs else None for obs in self._observations]
+        self._step_times.observe(current, arrival)
+        fitted = [fit_step_time(obs) if obs else None for obs in self._step_times.ranks]
         # a rank never seen training (it sat out from the start) is taken for an average one
         unknown = (0.0, statistics.mean(model[1] for model in fitted if model is not None))
         models = [model if model is not None else unknown for model in fitted]
@@ -304,16 +339,16 @@ class GoodputController:
         A machine that stays keeps its observed step times (its model of the step); a new one starts
         with none, and is fitted from its first interval on the new group, which the next decision waits for.
         """
-        if not self._observations:
+        if not self._step_times.ranks:
             return
-        mapping = validate_previous(previous, len(self._observations))
-        self._observations = [list(self._observations[p]) if p is not None else [] for p in mapping]
+        self._step_times.regroup(validate_previous(previous, len(self._step_times.ranks)))
 
     def rank_speeds(self) -> list[float] | None:
         """Every rank's speed at its last observed size, samples/s (a new machine: the others' mean), or ``None``."""
-        if not self._observations or not any(self._observations):
+        observations = self._step_times.ranks
+        if not any(observations):
             return None
-        known = [obs[-1][0] / obs[-1][1] if obs and obs[-1][1] > 0 else math.nan for obs in self._observations]
+        known = [obs[-1][0] / obs[-1][1] if obs and obs[-1][1] > 0 else math.nan for obs in observations]
         finite = [s for s in known if math.isfinite(s)]
         if not finite:
             return None
@@ -324,14 +359,14 @@ class GoodputController:
         """The base global batch (samples) and every rank's recent ``[batch size, busy time]`` observations."""
         return {
             "base_global_batch": self._base_global_batch,
-            "observations": [[[b, t] for b, t in obs] for obs in self._observations],
+            "observations": self._step_times.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, so the next decision is the one the saved controller would make."""
         base = state_dict.get("base_global_batch")
         self._base_global_batch = None if base is None else int(base)
-        self._observations = [[(int(b), float(t)) for b, t in obs] for obs in state_dict.get("observations", [])]
+        self._step_times.load_state_dict(state_dict.get("observations", []))
 
     def __repr__(self) -> str:
         return (

@@ -18,6 +18,10 @@ The control law, per decision interval:
   point, and averaging across them would only add lag), and so it does when the new measurement
   differs from the average by more than ``restart_threshold`` (relative): a rank that suddenly
   became much slower or faster is followed at once rather than averaged with what it no longer is.
+  An interval more than 25% off the rank's step model is first taken for noise (a rank
+  descheduled once; see :class:`~lightning_dynamix.control.goodput.StepTimes`): it is averaged in,
+  and the rank's past is forgotten only when the next interval confirms it, so a real change is
+  followed one interval later.
 * error of rank ``i``, in shares of the global batch: ``e_i = p_i - q_i``, with target share
   ``p_i = s~_i / sum_j s~_j`` and current share ``q_i = b_i / sum_j b_j``; ``sum_i e_i = 0``.
   Once every rank has run at two sizes at least 10% apart among its last 8 intervals, its step is
@@ -88,7 +92,7 @@ from lightning_dynamix.control.allocation import (
     validate_bound_pair,
 )
 from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
-from lightning_dynamix.control.goodput import equal_time_sizes, fit_step_time, observe_step_time
+from lightning_dynamix.control.goodput import StepTimes, equal_time_sizes, fit_step_time
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.metrics.state import ClusterState
 
@@ -238,7 +242,7 @@ class PIDController:
         self._integral: list[float] = []
         self._previous_error: list[float] | None = None
         self._base_global_batch: int | None = None
-        self._observations: list[list[tuple[int, float]]] = []
+        self._step_times = StepTimes(_MODEL_WINDOW)
 
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes from one interval's measurements (see the module docstring)."""
@@ -252,7 +256,7 @@ class PIDController:
         busy = [arrival_time(w) for w in state.workers]
         if any(not (math.isfinite(t) and t > 0) for t in busy):
             return self._decision(current, state)
-        self._observations = observe_step_time(self._observations, current, busy, _MODEL_WINDOW)
+        self._step_times.observe(current, busy)
         measured = [b / t for b, t in zip(current, busy)]
         if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
             self._speeds = measured
@@ -262,10 +266,13 @@ class PIDController:
             # a speed measured at another size is another operating point (times may be affine in the
             # batch), and one far from the average is a rank that changed: average only over intervals
             # at the current size and a similar speed, so smoothing never adds lag
+            # a jump is followed once the next interval confirms it (a suspect alone is averaged in)
             a = self.smoothing
             self._speeds = [
-                a * old + (1.0 - a) * new if b == b_old and not self._jumped(old, new) else new
-                for old, new, b, b_old in zip(self._speeds, measured, current, self._speed_sizes)
+                a * old + (1.0 - a) * new if b == b_old and (suspect or not self._jumped(old, new)) else new
+                for old, new, b, b_old, suspect in zip(
+                    self._speeds, measured, current, self._speed_sizes, self._step_times.suspect
+                )
             ]
         self._speed_sizes = list(current)
 
@@ -329,7 +336,7 @@ class PIDController:
         """Every rank's fitted ``(fixed, per_sample)`` step cost in seconds, ``None`` until every rank has
         run at two sizes at least 10% apart among its recent intervals (see the module docstring)."""
         models = []
-        for obs in self._observations:
+        for obs in self._step_times.ranks:
             sizes = [b for b, _ in obs]
             if not sizes or max(sizes) - min(sizes) < _MODEL_MIN_SPREAD * max(sizes):
                 return None
@@ -400,7 +407,7 @@ class PIDController:
         self._integral = [0.0] * len(mapping)
         self._previous_error = None
         self._last_step = None
-        self._observations = []  # as the speeds: the step model is refitted from the new group's intervals
+        self._step_times = StepTimes(_MODEL_WINDOW)  # as the speeds: the model is refitted from the new group's
 
     def rank_speeds(self) -> list[float] | None:
         """Every rank's smoothed own speed, samples/s; ``None`` before the first measurement."""
@@ -415,7 +422,7 @@ class PIDController:
             "integral": list(self._integral),
             "previous_error": None if self._previous_error is None else list(self._previous_error),
             "base_global_batch": self._base_global_batch,
-            "observations": [[[b, t] for b, t in obs] for obs in self._observations],
+            "observations": self._step_times.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -430,7 +437,7 @@ class PIDController:
         self._previous_error = None if previous is None else [float(e) for e in previous]
         base = state_dict.get("base_global_batch")
         self._base_global_batch = None if base is None else int(base)
-        self._observations = [[(int(b), float(t)) for b, t in obs] for obs in state_dict.get("observations", [])]
+        self._step_times.load_state_dict(state_dict.get("observations", []))
 
     def __repr__(self) -> str:
         return (

@@ -15,12 +15,16 @@ was trained for, or an observation that is not finite, keeps the current sizes (
 
 Confidence fallback, so a policy never loses to its own balancer on a real job: how a global batch
 is split between ranks changes only the step time (never what a step learns), and the balancer
-measures each rank's step (a fixed and a per-sample cost once fitted, else its speed). Where the
-policy's per-rank adjustments would make the slowest rank's step more than ``fallback_tolerance``
-longer than the balancer's own split of the same global batch, by that measured model, the
-balancer's split is used instead (the policy's choice of global batch stays). A policy trained in
-a simulator that real machines do not match then costs nothing; :attr:`PPOController.fallbacks`
-counts such decisions.
+measures each rank's step (a fixed and a per-sample cost, once each rank ran at two sizes 10%
+apart). Where the policy's per-rank adjustments would make the slowest rank's step more than
+``fallback_tolerance`` (default 0) longer than the balancer's own split of the same global batch,
+by that measured model, the balancer's split is used instead; before the model is measured the
+policy's split cannot be judged, and the balancer's proposal, scaled to the policy's global batch,
+is used. The policy's choice of global batch always stays. A policy trained in a simulator that
+real machines do not match then costs nothing: with the default its split stands only where the
+measured model predicts it no slower than the balancer's (the model's optimum, so in practice
+where they agree), and the policy's own contribution is the global batch.
+:attr:`PPOController.fallbacks` counts the decisions where the policy's split was replaced.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ class PPOController:
             ranks' adjustments are scaled back to the balancer's total): the policy only moves samples
             between ranks.
         fallback_tolerance: use the balancer's split of the policy's global batch where the policy's
-            split is predicted to make the step longer by more than this fraction (the confidence
-            fallback of the module docstring), >= 0; ``None`` always follows the policy.
+            split is predicted to make the step longer by more than this fraction, or cannot be
+            judged yet (the confidence fallback of the module docstring), >= 0; ``None`` always
+            follows the policy.
 
     Raises:
         FileNotFoundError: when the policy file does not exist.
@@ -92,7 +97,7 @@ class PPOController:
         finetune: bool = False,
         finetune_kwargs: dict[str, Any] | None = None,
         keep_global_batch: bool = False,
-        fallback_tolerance: float | None = 0.02,
+        fallback_tolerance: float | None = 0.0,
     ) -> None:
         if not isinstance(deterministic, bool):
             raise ValueError(f"`deterministic` must be True or False, got {deterministic!r}")
@@ -185,19 +190,28 @@ class PPOController:
         sizes = apply_adjustments(proposal, actions, lower, upper)
         if self.keep_global_batch and sum(sizes) != sum(proposal):  # the ranks' moves, at the same total
             sizes = split_in_proportion(sum(proposal), sizes, lower, upper)
-        return Decision(self._confident(sizes, lower, upper))
+        return Decision(self._confident(sizes, proposal, lower, upper))
 
-    def _confident(self, sizes: tuple[int, ...], lower: list[int], upper: list[int | None]) -> tuple[int, ...]:
-        """``sizes``, or the balancer's split of their total where that is measurably faster (see the module)."""
-        if self.fallback_tolerance is None:
+    def _confident(
+        self, sizes: tuple[int, ...], proposal: tuple[int, ...], lower: list[int], upper: list[int | None]
+    ) -> tuple[int, ...]:
+        """``sizes``, or the balancer's split of their total where that is measurably faster or the
+        policy's cannot be judged yet (see the module)."""
+        if self.fallback_tolerance is None or sizes == proposal:
             return sizes
-        balanced = self.balancer.balanced_split(sum(sizes), lower, upper)
-        if balanced is None or balanced == sizes:
-            return sizes
-        policy_step, balanced_step = self.balancer.predicted_step(sizes), self.balancer.predicted_step(balanced)
-        if policy_step is None or balanced_step is None:
-            return sizes
-        if policy_step <= (1.0 + self.fallback_tolerance) * balanced_step:
+        total = sum(sizes)
+        balanced = self.balancer.balanced_split(total, lower, upper)
+        policy_step = self.balancer.predicted_step(sizes)
+        if balanced is not None and policy_step is not None:
+            balanced_step = self.balancer.predicted_step(balanced)
+            assert balanced_step is not None  # the same models
+            if balanced == sizes or policy_step <= (1.0 + self.fallback_tolerance) * balanced_step:
+                return sizes
+        elif sum(proposal) == total:
+            balanced = proposal
+        else:  # nothing measured to judge by: the balancer's proposal, at the policy's global batch
+            balanced = split_in_proportion(total, proposal, lower, upper)
+        if balanced == sizes:
             return sizes
         self.fallbacks += 1
         return balanced

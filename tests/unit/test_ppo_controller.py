@@ -334,8 +334,25 @@ def test_the_confidence_fallback_never_lets_the_policy_split_a_batch_measurably_
 
     trusting = StubbornPolicy(keep_global_batch=True, fallback_tolerance=None)
     assert worst_after_the_first_decisions(trusting) > 1.1  # the policy alone moves samples to the slow rank
-    guarded = StubbornPolicy(keep_global_batch=True)
-    assert worst_after_the_first_decisions(guarded) <= 1.02 + 1e-6
-    assert guarded.fallbacks >= 9
+    tolerant = StubbornPolicy(keep_global_batch=True, fallback_tolerance=0.02)
+    assert worst_after_the_first_decisions(tolerant) <= 1.02 + 1e-6
+    guarded = StubbornPolicy(keep_global_batch=True)  # the default: never predicted slower
+    assert worst_after_the_first_decisions(guarded) <= 1.0 + 1e-6
+    assert guarded.fallbacks == 12  # every one of its splits was slower, or could not be judged yet
     with pytest.raises(ValueError, match="fallback_tolerance"):
         PPOController(fallback_tolerance=-0.1)
+
+
+def test_before_the_balancer_has_measured_a_model_the_policy_splits_like_its_balancer():
+    from tests.unit.test_controllers import make_state
+
+    guarded, pid = StubbornPolicy(keep_global_batch=True), PIDController()
+    state = make_state([256, 256], [0.0356, 0.0868])  # one interval measured: no model of any rank yet
+    assert guarded.balancer.cost_models() is None
+    assert guarded.decide(state).batch_sizes == pid.decide(state).batch_sizes
+    assert guarded.fallbacks == 1
+    grown = StubbornPolicy()  # the policy's global batch stays, split as the balancer would
+    sizes = grown.decide(state).batch_sizes
+    assert sum(sizes) == pytest.approx(640, abs=2)  # +25%, rounded per rank
+    proposal = PIDController().decide(state).batch_sizes
+    assert sizes[0] / sizes[1] == pytest.approx(proposal[0] / proposal[1], rel=0.02)
