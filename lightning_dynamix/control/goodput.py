@@ -104,20 +104,22 @@ class StepTimes:
     def __init__(self, window: int) -> None:
         self.window = window
         self.ranks: list[list[tuple[int, float]]] = []
-        self.suspect: list[bool] = []
+        self._off: list[float] = []  # per rank: a suspect's relative distance from the model, 0 for none
+
+    @property
+    def suspect(self) -> list[bool]:
         """Per rank: whether its last observation was off its model and not (yet) confirmed by another."""
-        self._off: list[float] = []
+        return [off != 0.0 for off in self._off]
 
     def observe(self, sizes: Sequence[int], times: Sequence[float]) -> None:
         """Add one interval's size and time per rank (a new number of ranks starts every rank afresh)."""
         if len(self.ranks) != len(sizes):  # another group without regroup(): nothing carries over
             self.ranks = [[] for _ in sizes]
-            self.suspect = [False] * len(sizes)
             self._off = [0.0] * len(sizes)
         for r, (obs, b, t) in enumerate(zip(self.ranks, sizes, times)):
             if b == 0:
                 continue
-            previous, self._off[r], self.suspect[r] = self._off[r], 0.0, False
+            previous, self._off[r] = self._off[r], 0.0
             # confirming a suspect, the model is the one it was judged by, which may guess from one size
             basis = obs[:-1] if previous and len(obs) > 1 else obs
             if basis and (previous or len({size for size, _ in basis}) >= 2 or basis[-1][0] == b):
@@ -128,14 +130,13 @@ class StepTimes:
                     if previous * off > 0:  # the interval before was off on the same side: a change
                         del obs[:-1]
                     else:
-                        self._off[r], self.suspect[r] = off, True
+                        self._off[r] = off
             obs.append((int(b), float(t)))
             del obs[: -self.window]
 
     def regroup(self, mapping: Sequence[int | None]) -> None:
         """New rank ``i`` keeps old rank ``mapping[i]``'s observations (``None``: a new machine, none)."""
         self.ranks = [list(self.ranks[p]) if p is not None else [] for p in mapping]
-        self.suspect = [False] * len(mapping)
         self._off = [0.0] * len(mapping)
 
     def state_dict(self) -> list[list[list[float]]]:
@@ -144,7 +145,6 @@ class StepTimes:
 
     def load_state_dict(self, saved: Sequence[Sequence[Sequence[float]]]) -> None:
         self.ranks = [[(int(b), float(t)) for b, t in obs] for obs in saved]
-        self.suspect = [False] * len(self.ranks)
         self._off = [0.0] * len(self.ranks)
 
 

@@ -207,8 +207,6 @@ class PPOController:
             assert balanced_step is not None  # the same models
             if balanced == sizes or policy_step <= (1.0 + self.fallback_tolerance) * balanced_step:
                 return sizes
-        elif sum(proposal) == total:
-            balanced = proposal
         else:  # nothing measured to judge by: the balancer's proposal, at the policy's global batch
             balanced = split_in_proportion(total, proposal, lower, upper)
         if balanced == sizes:

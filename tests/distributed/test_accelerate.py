@@ -39,6 +39,26 @@ def launch(launcher: str, out: Path, *args: str) -> None:
         pytest.fail(f"{launcher} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 
 
+def trained_like_one_process(out: Path, job_helpers, optimizer: str, accumulate: int) -> tuple[list, list]:
+    """Every rank's saved run and batches, after checking its parameters are one process's on the union of
+    the batches (1e-6) and every sample was seen once per epoch."""
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    steps = [r["steps"] for r in ranks]
+    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, optimizer, accumulate=accumulate)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+    for epoch in (0, 1):
+        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
+        assert sorted(seen) == list(range(NUM_SAMPLES))
+    return ranks, steps
+
+
+def batch_sizes(steps: list) -> list[tuple[int, ...]]:
+    """Every step's size on each rank."""
+    return [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+
+
 @pytest.mark.parametrize(
     ("launcher", "optimizer", "workers"),
     [("accelerate", "sgd", "0"), ("accelerate", "adam", "2"), ("torchrun", "sgd", "0")],
@@ -46,46 +66,24 @@ def launch(launcher: str, out: Path, *args: str) -> None:
 )
 def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_helpers, launcher, optimizer, workers):
     launch(launcher, tmp_path, optimizer, workers)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    steps = [r["steps"] for r in ranks]
-    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, optimizer, accumulate=1)
-    for rank in ranks:
-        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
-        assert worst <= 1e-6, f"max abs difference {worst}"
-    # the same number of steps on both ranks, the sizes changed as planned, every sample once per epoch
+    _, steps = trained_like_one_process(tmp_path, job_helpers, optimizer, accumulate=1)
+    # the same number of steps on both ranks, the sizes changed as planned
     assert len(steps[0]) == len(steps[1])
-    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+    sizes = batch_sizes(steps)
     assert sizes[0] == (3, 7)
     assert {(6, 2), (1, 9), (5, 5), (2, 3)} <= set(sizes)
-    for epoch in (0, 1):
-        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
-        assert sorted(seen) == list(range(NUM_SAMPLES))
 
 
 def test_a_rank_that_sits_steps_out_trains_exactly_like_one_process_on_the_other_ranks_batches(tmp_path, job_helpers):
     launch("accelerate", tmp_path, "adam", "0", "2", "sit-out")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    steps = [r["steps"] for r in ranks]
-    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, "adam", accumulate=2)
-    for rank in ranks:
-        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
-        assert worst <= 1e-6, f"max abs difference {worst}"
-    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
-    assert {(0, 8), (5, 0), (5, 5), (0, 5)} <= set(sizes)
-    for epoch in (0, 1):
-        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
-        assert sorted(seen) == list(range(NUM_SAMPLES))
+    _, steps = trained_like_one_process(tmp_path, job_helpers, "adam", accumulate=2)
+    assert {(0, 8), (5, 0), (5, 5), (0, 5)} <= set(batch_sizes(steps))
 
 
 def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tmp_path, job_helpers):
     launch("accelerate", tmp_path, "sgd", "0", "3")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    steps = [r["steps"] for r in ranks]
     # one optimizer step per window of 3 batches, each epoch's last window cut short at the epoch's end
-    expected, _ = job_helpers.reference_training(steps, NUM_SAMPLES, "sgd", accumulate=3)
-    for rank in ranks:
-        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
-        assert worst <= 1e-6, f"max abs difference {worst}"
+    ranks, steps = trained_like_one_process(tmp_path, job_helpers, "sgd", accumulate=3)
     epoch_lengths = [sum(1 for e, _, _ in steps[0] if e == epoch) for epoch in (0, 1)]
     ends = [(b + 1) % 3 == 0 or b + 1 == epoch_lengths[e] for e, b, _ in steps[0]]
     for rank in ranks:
@@ -93,7 +91,7 @@ def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tm
         assert rank["global_step"] == sum(ends)  # DynamixAccelerate counts optimizer steps, not batches
         assert rank["decision_steps"] == list(range(3, sum(ends) + 1, 2))  # warmup 1, then every 2 steps
     # the sizes changed inside some windows (the case the window's correction factor makes exact)
-    sizes = [tuple(len(s[k][2]) for s in steps) for k in range(len(steps[0]))]
+    sizes = batch_sizes(steps)
     windows, current = [], []
     for size, end in zip(sizes, ends):
         current.append(size)
@@ -102,9 +100,6 @@ def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tm
             current = []
     assert any(len(set(window)) > 1 for window in windows)
     assert {(4, 4), (2, 8)} <= set(sizes)
-    for epoch in (0, 1):
-        seen = [i for s in steps for e, _, indices in s if e == epoch for i in indices]
-        assert sorted(seen) == list(range(NUM_SAMPLES))
 
 
 def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):

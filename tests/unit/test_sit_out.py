@@ -120,15 +120,17 @@ STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE = [0.01, 0.01, 0.2], [0.001, 0.001, 0.008]
 STRAGGLER = (STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
 
 
-def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_others_step():
+def _goodput_on_the_straggler(**kwargs):
     controller = GoodputController(dead_band=0.02)
-    history = run_loop(
-        lambda state, current: controller.decide(state).batch_sizes,
-        [32, 32, 32],
-        STRAGGLER_FIXED,
-        STRAGGLER_PER_SAMPLE,
-        intervals=6,
-    )
+
+    def decide(state, current):
+        return controller.decide(state).batch_sizes
+
+    return run_loop(decide, [32, 32, 32], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE, intervals=6, **kwargs)
+
+
+def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_others_step():
+    history = _goodput_on_the_straggler()
     assert history[-1][2] == 0
     assert sum(history[-1]) == 96
     without_straggler = job_step_time([48, 48, 0], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
@@ -136,15 +138,7 @@ def test_goodput_sits_a_straggler_out_when_its_fixed_cost_alone_outlasts_the_oth
     reached = job_step_time(history[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE)
     assert reached == pytest.approx(without_straggler, rel=0.02)
     # without min_batch_size=0 it must keep at least one sample there, and the job waits for it
-    kept = GoodputController(dead_band=0.02)
-    bounded = run_loop(
-        lambda state, current: kept.decide(state).batch_sizes,
-        [32, 32, 32],
-        STRAGGLER_FIXED,
-        STRAGGLER_PER_SAMPLE,
-        intervals=6,
-        min_batch_size=1,
-    )
+    bounded = _goodput_on_the_straggler(min_batch_size=1)
     assert bounded[-1][2] == 1
     assert job_step_time(bounded[-1], STRAGGLER_FIXED, STRAGGLER_PER_SAMPLE) > 0.2
 
