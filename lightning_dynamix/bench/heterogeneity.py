@@ -174,6 +174,18 @@ def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0
     return settled + 1
 
 
+def _after_settling(result: RunResult, change: int | None, interval: int, settling: int | None) -> float | None:
+    """Throughput / ideal after the sizes settled; ``None`` without a change, or when they settled at the run's end."""
+    if change is None or settling is None:
+        return None
+    step = change + interval * settling
+    return _ratio_after(result, step) if any(i["step"] > step for i in result.intervals) else None
+
+
+def _or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _ratio_after(result: RunResult, step: int) -> float:
     ratios = [i["throughput"] / i["ideal_throughput"] for i in result.intervals if i["step"] > step]
     return statistics.median(ratios) if ratios else float("nan")
@@ -285,9 +297,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
             # a speed change: decisions until the first round's sizes settled, and throughput / ideal after
             "settling_intervals": settling,
-            "throughput_to_ideal_after_settling": None
-            if settling is None
-            else _ratio_after(results[0], change + args.interval * settling),  # type: ignore[operator]
+            "throughput_to_ideal_after_settling": _after_settling(results[0], change, args.interval, settling),
         }
     if args.plot is not None:
         plot_runs({c: results[0] for c, results in runs.items()}, args.plot, title=f"speeds {list(args.speeds)}")
@@ -339,7 +349,7 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             print(
                 f"{'':>10}  after the speed change at step {args.schedule[0][0]}: settled in"
                 f" {row['settling_intervals']} decision(s); throughput / ideal after settling"
-                f" {row['throughput_to_ideal_after_settling']:.3f}"
+                f" {_or_dash(row['throughput_to_ideal_after_settling'])}"
             )
 
 

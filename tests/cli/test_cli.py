@@ -56,14 +56,16 @@ def test_demo_compares_static_batches_with_the_callback_and_writes_a_plot(tmp_pa
 def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_path):
     out = tmp_path / "balance.json"
     dynamix(
-        "bench", "balance", "--speeds", "1,1", "--schedule", "10:1:3", "--steps", "30", "--batch-size", "32",
+        "bench", "balance", "--speeds", "1,1", "--schedule", "10:1:3", "--steps", "40", "--batch-size", "32",
         "--interval", "5", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
     (intervals,) = result["runs"]["pid"]
-    assert [i["step"] for i in intervals] == [10, 15, 20, 25, 30]
+    assert [i["step"] for i in intervals] == [10, 15, 20, 25, 30, 35, 40]
     pid = result["controllers"]["pid"]
+    # a change is confirmed by a second interval before pid follows it fully (2-4 decisions measured)
     assert pid["settling_intervals"] is not None
+    assert pid["settling_intervals"] <= 5
     assert 0 < pid["throughput_to_ideal_second_half"] <= 1.05
     assert 0 < pid["throughput_to_ideal_after_settling"] <= 1.05
 
