@@ -162,6 +162,9 @@ class IntervalMeter:
             "comm_time": summary.comm_time,
             "comm_bytes": summary.comm_bytes,
             "bandwidth": summary.bandwidth,
+            "cpu_time": summary.cpu_time,
+            "cpu_quota": summary.cpu_quota,
+            "least_sync_wait": summary.least_sync_wait,
         }
         names = WorkerMetrics.float_fields()
         row = [float(batch_size), loss, *(values[name] for name in names)]

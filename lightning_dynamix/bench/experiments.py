@@ -254,6 +254,8 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
                 "data_time": [w.data_time for w in state.workers],
                 "sync_wait": [w.sync_wait for w in state.workers],
                 "comm_time": [w.comm_time for w in state.workers],
+                "cpu_time": [w.cpu_time for w in state.workers],
+                "least_sync_wait": [w.least_sync_wait for w in state.workers],
                 "throughput": state.throughput,
                 "ideal_throughput": state.ideal_throughput,
                 "gradient_noise_scale": state.gradient_noise_scale,

@@ -157,16 +157,40 @@ def own_busy_time(worker: WorkerMetrics) -> float:
     return worker.compute_time + data
 
 
-def arrival_time(worker: WorkerMetrics) -> float:
+def arrival_time(worker: WorkerMetrics, transfer_time: float = 0.0) -> float:
     """When a rank reaches the gradient all-reduce, as the others see it, seconds into the step.
 
     ``step_time - sync_wait``: its data, forward and backward, the optimizer step and the framework's
     per-step work, and any time it was descheduled in between. Every rank leaves the all-reduce at
     the same moment, so the differences between ranks' arrivals are the others' waits for them: this
     is what a split must equalise. Falls back to :func:`own_busy_time` where the step was not timed.
+
+    A rank under a CPU quota arrives no sooner on average than its quota allows: its whole step takes
+    at least :attr:`~lightning_dynamix.metrics.state.WorkerMetrics.quota_step_time` (its CPU time per
+    step over its cores), since once the quota is used up it is frozen while the others wait for
+    it, inside the collective too, where the timing of its step's parts cannot see it. Less the
+    bare transfer every rank waits for anyway (``transfer_time``), that is its arrival where it is
+    the larger.
     """
     arrival = worker.step_time - worker.sync_wait
-    return arrival if math.isfinite(arrival) and arrival > 0 else own_busy_time(worker)
+    if not (math.isfinite(arrival) and arrival > 0):
+        arrival = own_busy_time(worker)
+    quota_bound = worker.quota_step_time - transfer_time
+    return max(arrival, quota_bound) if math.isfinite(quota_bound) else arrival
+
+
+def arrival_times(state: ClusterState) -> list[float]:
+    """Every rank's :func:`arrival_time` in ``state``, seconds into the step.
+
+    The bare transfer is the least wait of any rank at any step of the interval
+    (:attr:`~lightning_dynamix.metrics.state.WorkerMetrics.least_sync_wait`): a mean, as
+    :attr:`~lightning_dynamix.metrics.state.ClusterState.transfer_time` is, also holds the steps at
+    which a rank under a quota was frozen inside the collective (where it is not measured, the
+    least mean wait).
+    """
+    least = [w.least_sync_wait for w in state.workers if math.isfinite(w.least_sync_wait)]
+    transfer = max(0.0, min(least)) if least else state.transfer_time
+    return [arrival_time(w, transfer) for w in state.workers]
 
 
 def validate_bound(value: object, name: str, *, allow_none: bool, low: int = 1) -> int | tuple[int, ...] | None:

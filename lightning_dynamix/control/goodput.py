@@ -47,7 +47,7 @@ import numpy as np
 
 from lightning_dynamix._checks import require_int, require_number, require_optional_int
 from lightning_dynamix.control.allocation import (
-    arrival_time,
+    arrival_times,
     resolve_bounds,
     round_to_total,
     validate_bound,
@@ -276,7 +276,7 @@ class GoodputController:
             self._base_global_batch = state.global_batch
         base = self._base_global_batch
         noise = state.gradient_noise_scale
-        arrival = [arrival_time(w) for w in state.workers]
+        arrival = arrival_times(state)
         if any(not (math.isfinite(t) and t > 0) for t in arrival):
             return self._decision(current, noise)
         self._step_times.observe(current, arrival)

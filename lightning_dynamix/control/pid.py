@@ -10,8 +10,9 @@ The control law, per decision interval:
 * measured own speed of rank ``i``: ``s_i = b_i / t_i`` samples/s, with ``t_i`` the rank's arrival at
   the gradient all-reduce as the others see it, ``step_time - sync_wait`` seconds
   (:func:`~lightning_dynamix.control.allocation.arrival_time`: its data, compute, optimizer step and
-  per-step framework work, and any time it was descheduled; what the job pays at every step). Its own
-  wait for other ranks is excluded: that is the symptom, not the cause. While a rank's size
+  per-step framework work, and any time it was descheduled; what the job pays at every step; for a
+  rank under a CPU quota, at least its CPU time per step over its cores, less the bare transfer).
+  Its own wait for other ranks is excluded: that is the symptom, not the cause. While a rank's size
   stays the same its speed is smoothed with an exponential moving average
   ``s~_i <- smoothing * s~_i + (1 - smoothing) * s_i``; when its size changed, the average restarts
   from the new measurement (with affine times a speed measured at another size is another operating
@@ -84,7 +85,7 @@ from typing import Any
 
 from lightning_dynamix._checks import require_number
 from lightning_dynamix.control.allocation import (
-    arrival_time,
+    arrival_times,
     proportional_fill,
     resolve_bounds,
     round_to_total,
@@ -253,7 +254,7 @@ class PIDController:
             self._base_global_batch = state.global_batch
         total = self.global_batch_size if self.global_batch_size is not None else state.global_batch
 
-        busy = [arrival_time(w) for w in state.workers]
+        busy = arrival_times(state)
         if any(not (math.isfinite(t) and t > 0) for t in busy):
             return self._decision(current, state)
         self._step_times.observe(current, busy)

@@ -43,6 +43,12 @@ class WorkerMetrics:
         comm_time: time with at least one gradient all-reduce in flight, per synchronising step.
         comm_bytes: gradient bytes all-reduced per synchronising step.
         bandwidth: comm_bytes / comm_time, bytes per second; NaN when nothing was all-reduced.
+        cpu_time: CPU seconds used per step, charged to the rank's CPU quota where it has one (its
+            cgroup's counter), else the process's own.
+        cpu_quota: the rank's CPU quota (cgroup CFS bandwidth), cores of CPU time per second; NaN
+            without one.
+        least_sync_wait: the least ``sync_wait`` of any synchronising step in the interval (not a
+            mean): the bare transfer at a step no rank was late for.
     """
 
     rank: int
@@ -61,11 +67,24 @@ class WorkerMetrics:
     comm_time: float = NAN
     comm_bytes: float = NAN
     bandwidth: float = NAN
+    cpu_time: float = NAN
+    cpu_quota: float = NAN
+    least_sync_wait: float = NAN
 
     @property
     def own_step_time(self) -> float:
         """The rank's step without waiting for the all-reduce: ``step_time - sync_wait``, seconds."""
         return self.step_time - self.sync_wait
+
+    @property
+    def quota_step_time(self) -> float:
+        """The shortest step the rank's CPU quota allows on average: ``cpu_time / cpu_quota``, seconds; NaN without one.
+
+        A rank that used up its quota is frozen until the next period, also while the others wait for
+        it in a collective, so over an interval it cannot step faster than this however its step's
+        parts are timed.
+        """
+        return self.cpu_time / self.cpu_quota if self.cpu_quota > 0 else NAN
 
     @property
     def own_samples_per_s(self) -> float:

@@ -1,13 +1,17 @@
-"""System signals of one rank: CPU and memory (psutil), GPU through NVML (nvidia-ml-py).
+"""System signals of one rank: CPU and memory (psutil), GPU through NVML (nvidia-ml-py), CPU quotas.
 
 Sampled once per decision interval, not per step. Without a GPU, or where NVML cannot be loaded,
-every GPU value is NaN; nothing here raises because a machine lacks a GPU.
+every GPU value is NaN; nothing here raises because a machine lacks a GPU. A rank's CPU quota (its
+cgroup's CFS bandwidth limit) is found once, when its step clock is made (:func:`find_cpu_quota`).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -88,3 +92,120 @@ def _read(query: Any) -> float:
     except Exception:  # a query a GPU does not support (power on some boards): NaN
         return NAN
     return value if math.isfinite(value) else NAN
+
+
+# --------------------------------------------------------------------------------------------------
+# CPU quotas (cgroup CFS bandwidth: Kubernetes' and Docker's CPU limits)
+# --------------------------------------------------------------------------------------------------
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CpuQuota:
+    """The CFS quota that limits a process: ``cores`` of CPU time per wall-clock second.
+
+    A rank under a quota that has used it up is frozen until the next period, also while it waits
+    in a collective, so over an interval it cannot step faster than its CPU time per step divided
+    by ``cores``. ``usage`` is the counter that quota is charged from: the cgroup's own (cgroup v2
+    ``cpu.stat``, or a v1 ``cpuacct.usage`` accounting the same group), which includes its
+    DataLoader workers; ``None`` where the group is not accounted, and then the process's own CPU
+    time (all its threads, no child processes) stands for it.
+    """
+
+    cores: float
+    group: Path
+    usage: Path | None = None
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds charged to the quota so far (a counter: differences are what matter)."""
+        if self.usage is not None:
+            try:
+                text = self.usage.read_text()
+            except OSError:
+                return time.process_time()
+            if self.usage.name == "cpu.stat":  # v2: "usage_usec N"
+                for line in text.splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "usage_usec":
+                        return int(value) / 1e6
+                return time.process_time()
+            return int(text) / 1e9  # v1 cpuacct.usage, nanoseconds
+        return time.process_time()
+
+
+def _v2_quota(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _v1_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota < 0 or period <= 0 else quota / period
+
+
+def find_cpu_quota(proc_cgroup: str | None = None, root: Path = CGROUP_ROOT) -> CpuQuota | None:
+    """The tightest CFS quota over this process's cgroup and its ancestors; ``None`` where none is set.
+
+    Reads ``/proc/self/cgroup`` (or ``proc_cgroup``, its text) and the hierarchy mounted under
+    ``root``: cgroup v2 (``cpu.max``) where ``root`` is the unified hierarchy, else the v1 ``cpu``
+    controller (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, mounted at ``root/cpu`` or
+    ``root/cpu,cpuacct``). Never raises: a machine without cgroups has no quota.
+    """
+    if proc_cgroup is None:
+        try:
+            proc_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    paths: dict[str, str] = {}
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(",") if parts[1] else [""]:
+                paths[controller] = parts[2]
+    if (root / "cgroup.controllers").exists() and "" in paths:  # the unified (v2) hierarchy
+        return _tightest(root, paths[""], _v2_quota, lambda group: group / "cpu.stat")
+    if "cpu" not in paths:
+        return None
+    mount = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / name).is_dir()), None)
+    if mount is None:
+        return None
+
+    def accounted(group: Path) -> Path | None:
+        # the v1 cpuacct counter accounts the same group only where the process sits at the same path there
+        relative = group.relative_to(mount)
+        if "cpuacct" not in paths or Path("/", paths["cpuacct"]) != Path("/", relative):
+            return None
+        for name in ("cpu,cpuacct", "cpuacct,cpu", "cpuacct"):
+            counter = root / name / relative / "cpuacct.usage"
+            if counter.exists():
+                return counter
+        return None
+
+    return _tightest(mount, paths["cpu"], _v1_quota, accounted)
+
+
+def _tightest(
+    mount: Path, path: str, read: Callable[[Path], float | None], usage: Callable[[Path], Path | None]
+) -> CpuQuota | None:
+    """Walk from ``mount/path`` up to ``mount``: the group with the smallest quota, with its usage counter."""
+    group = mount / path.strip("/")
+    best: CpuQuota | None = None
+    while True:
+        cores = read(group)
+        if cores is not None and (best is None or cores < best.cores):
+            best = CpuQuota(cores=cores, group=group)
+        if group == mount or mount not in group.parents:
+            break
+        group = group.parent
+    if best is None:
+        return None
+    counter = usage(best.group)
+    return CpuQuota(best.cores, best.group, counter if counter is not None and counter.exists() else None)

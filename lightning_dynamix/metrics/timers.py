@@ -15,13 +15,18 @@ step, in seconds:
 * ``sync_wait``: from the last bucket being ready to the end of backward, plus those collectives;
 * ``step_time``: from asking for the batch to the end of the step;
 * ``comm_time`` and ``comm_bytes``: time with at least one all-reduce in flight, and the bytes
-  all-reduced.
+  all-reduced;
+* ``least_sync_wait``: the least ``sync_wait`` of any step in an interval: the bare transfer of
+  the last gradient bucket at a step where no other rank was late (or frozen by its CPU quota);
+* ``cpu_time``: CPU seconds used over ``step_time``, on the counter a CPU quota is charged from
+  where the rank has one (:class:`~lightning_dynamix.metrics.system.CpuQuota`: the cgroup's), else
+  the process's own (all its threads, the backend's included).
 
 Steps are summed into an interval (:meth:`StepClock.summary`) at the rank's current batch size:
 a step trained at another size (one prefetched before a resize) starts the interval afresh, so
 times and sizes always belong together; an epoch's final step, whose sizes the dataset's remainder
 decides, is left out of the interval altogether. Recording costs a few ``perf_counter`` calls per step and
-bucket and needs no collective.
+bucket (and one CPU-time reading per step) and needs no collective.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
+
+from lightning_dynamix.metrics.system import CpuQuota, find_cpu_quota
 
 NAN = float("nan")
 
@@ -48,14 +56,16 @@ class StepRecord:
     comm_bytes: int
     synchronised: bool
     regular: bool = True
+    cpu_time: float = NAN
 
 
 @dataclass(frozen=True)
 class IntervalSummary:
     """Means over the steps of an interval at one batch size; times in seconds per step.
 
-    ``comm_time``, ``comm_bytes`` and ``bandwidth`` are over synchronising steps only; everything is
-    NaN when no step was recorded.
+    ``comm_time``, ``comm_bytes``, ``bandwidth`` and ``least_sync_wait`` (the least, not the mean) are
+    over synchronising steps only; everything is
+    NaN when no step was recorded. ``cpu_quota`` is the rank's CPU quota in cores, NaN without one.
     """
 
     batch_size: int
@@ -68,6 +78,9 @@ class IntervalSummary:
     comm_time: float
     comm_bytes: float
     bandwidth: float
+    cpu_time: float = NAN
+    cpu_quota: float = NAN
+    least_sync_wait: float = NAN
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -91,10 +104,16 @@ class StepClock:
 
     Args:
         timer: the clock read at every event, in seconds (monotonic).
+        cpu_quota: the CPU quota this process runs under, ``None`` for none, or ``"find"`` (default)
+            to read it from the process's cgroup (:func:`~lightning_dynamix.metrics.system.find_cpu_quota`).
     """
 
-    def __init__(self, timer: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, timer: Callable[[], float] = time.perf_counter, cpu_quota: CpuQuota | Literal["find"] | None = "find"
+    ) -> None:
         self._timer = timer
+        self.cpu_quota = find_cpu_quota() if cpu_quota == "find" else cpu_quota
+        self._cpu: Callable[[], float] = self.cpu_quota.cpu_seconds if self.cpu_quota is not None else time.process_time
         self._lock = threading.Lock()  # all-reduce completions arrive on the backend's thread
         self.last_step: StepRecord | None = None
         self._reset_step()
@@ -105,6 +124,7 @@ class StepClock:
         """The training loop asks the DataLoader for the next batch."""
         self._reset_step()
         self._data_start = self._timer()
+        self._cpu_start = self._cpu()
 
     def data_end(self, batch_size: int, regular: bool = True) -> None:
         """The DataLoader handed over a batch of ``batch_size`` samples for this rank.
@@ -114,6 +134,8 @@ class StepClock:
         short tail neither restarts the interval nor stands for the sizes the controller set.
         """
         self._data_end = self._timer()
+        if self._cpu_start is None:
+            self._cpu_start = self._cpu()
         self._batch_size = batch_size
         self._regular = regular
 
@@ -173,6 +195,7 @@ class StepClock:
             comm_bytes=self._comm_bytes,
             synchronised=synchronised,
             regular=self._regular,
+            cpu_time=self._cpu() - self._cpu_start if self._cpu_start is not None else NAN,
         )
         self.last_step = record
         if record.regular:
@@ -183,8 +206,9 @@ class StepClock:
     def summary(self) -> IntervalSummary:
         """Means over the interval's steps (at the latest batch size); does not reset."""
         n = self._steps
+        quota = self.cpu_quota.cores if self.cpu_quota is not None else NAN
         if n == 0:
-            return IntervalSummary(self._interval_size, 0, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN)
+            return IntervalSummary(self._interval_size, 0, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, quota, NAN)
         synced = self._synced_steps
         return IntervalSummary(
             batch_size=self._interval_size,
@@ -197,6 +221,9 @@ class StepClock:
             comm_time=self._sums["comm_time"] / synced if synced else NAN,
             comm_bytes=self._sums["comm_bytes"] / synced if synced else NAN,
             bandwidth=self._sums["comm_bytes"] / self._sums["comm_time"] if self._sums["comm_time"] > 0 else NAN,
+            cpu_time=self._sums["cpu_time"] / n,
+            cpu_quota=quota,
+            least_sync_wait=self._least_sync_wait,
         )
 
     def reset_interval(self) -> None:
@@ -207,6 +234,7 @@ class StepClock:
     def _reset_step(self) -> None:
         self._data_start: float | None = None
         self._data_end: float | None = None
+        self._cpu_start: float | None = None
         self._batch_size = 0
         self._regular = True
         self._last_bucket_ready: float | None = None
@@ -221,17 +249,20 @@ class StepClock:
         self._interval_size = batch_size
         self._steps = 0
         self._synced_steps = 0
+        self._least_sync_wait = NAN
         self._sums = dict.fromkeys(
-            ("data_time", "compute_time", "sync_wait", "step_time", "comm_time", "comm_bytes"), 0.0
+            ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time", "comm_time", "comm_bytes"), 0.0
         )
 
     def _add(self, record: StepRecord) -> None:
         if record.batch_size != self._interval_size:
             self._reset_interval(record.batch_size)  # times at another size would be mixed in
         self._steps += 1
-        for name in ("data_time", "compute_time", "sync_wait", "step_time"):
+        for name in ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time"):
             self._sums[name] += getattr(record, name)
         if record.synchronised:
+            least = self._least_sync_wait
+            self._least_sync_wait = record.sync_wait if math.isnan(least) else min(least, record.sync_wait)
             self._synced_steps += 1
             self._sums["comm_time"] += record.comm_time
             self._sums["comm_bytes"] += record.comm_bytes

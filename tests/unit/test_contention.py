@@ -110,6 +110,8 @@ import os, sys, time
 from lightning_dynamix.bench import contention
 places = [contention.RankPlace(cores=(int(sys.argv[1]),), quota=float(sys.argv[2]))]
 contention.apply(places, 0)
+from lightning_dynamix.metrics.system import find_cpu_quota
+print(find_cpu_quota().cores)  # what a rank reads of its own quota
 start, cpu = time.monotonic(), time.process_time()
 while time.monotonic() - start < 1.0:
     pass
@@ -136,6 +138,7 @@ def test_a_quota_holds_a_rank_to_its_share_of_a_core_and_the_cgroups_are_removed
         spin = subprocess.run(
             [sys.executable, "-c", _SPIN, str(core), "0.25"], capture_output=True, text=True, timeout=60, check=True
         )
-        share = float(spin.stdout.strip().splitlines()[-1])
+        found, share = map(float, spin.stdout.strip().splitlines()[-2:])
+    assert found == 0.25  # the rank reads its own quota from its cgroup
     assert 0.15 < share < 0.35  # a quarter of a core, not the whole core a spin loop takes
     assert not group.exists()

@@ -591,3 +591,41 @@ def test_decision_maker_maps_the_controller_state_by_machine_id():
     unchanged.load_state_dict(saved.state_dict())
     unchanged.join(["a", "b", "c"])
     assert unchanged.regrouped_from is None
+
+
+def quota_state(sizes, per_sample, cpu_per_sample, cpu_fixed, quota, transfer=0.002):
+    """Ranks whose wall-clock arrival is ``per_sample * b``; rank r under a CPU quota of ``quota[r]`` cores
+    (NaN: none) spends ``cpu_fixed + cpu_per_sample * b`` CPU seconds per step, the all-reduce's included."""
+    arrival = [c * b for c, b in zip(per_sample, sizes)]
+    step = max(arrival) + transfer
+    workers = tuple(
+        WorkerMetrics(
+            rank=r,
+            batch_size=b,
+            compute_time=a,
+            sync_wait=step - a,
+            step_time=step,
+            cpu_time=f + c * b,
+            cpu_quota=q,
+            least_sync_wait=transfer,
+        )
+        for r, (b, a, c, f, q) in enumerate(zip(sizes, arrival, cpu_per_sample, cpu_fixed, quota))
+    )
+    return ClusterState(workers=workers)
+
+
+@pytest.mark.parametrize("build", [PIDController, GoodputController])
+def test_a_rank_under_a_cpu_quota_is_balanced_by_what_its_quota_allows_not_its_timed_arrival(build):
+    # equal arrivals at 256:256, but rank 1 may use half a core and spends 4 ms + 60 us per sample of CPU
+    # a step: it cannot step faster than twice that, whatever its timed parts say (its frozen time falls in
+    # the all-reduce too). Equal steps: 1e-4 b0 = 2 (0.004 + 6e-5 b1) - 0.002 at b0 + b1 = 512: 306.5:205.5
+    controller, sizes = build(), (256, 256)
+    for _ in range(10):
+        state = quota_state(sizes, [1e-4, 1e-4], [0.0, 6e-5], [0.0, 0.004], [math.nan, 0.5])
+        sizes = controller.decide(state).batch_sizes
+    assert abs(sizes[0] - 306.5) <= 6, sizes
+    assert sum(sizes) == 512
+    # without the quota the same timed arrivals are balanced as they are
+    controller = build()
+    state = quota_state((256, 256), [1e-4, 1e-4], [0.0, 6e-5], [0.0, 0.004], [math.nan, math.nan])
+    assert controller.decide(state).batch_sizes == (256, 256)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from lightning_dynamix.metrics import (
     SystemMonitor,
     WorkerMetrics,
 )
+from lightning_dynamix.metrics.system import CpuQuota, find_cpu_quota
 
 
 class ManualTime:
@@ -228,3 +230,69 @@ def test_cluster_state_rejects_ranks_out_of_order():
         ClusterState((worker(1, 8, 0.1), worker(0, 8, 0.1)))
     with pytest.raises(ValueError, match="one WorkerMetrics per rank"):
         ClusterState(())
+
+
+def test_the_tightest_cpu_quota_on_the_way_to_the_root_is_found_in_cgroup_v1(tmp_path):
+    cpu, cpuacct = tmp_path / "cpu", tmp_path / "cpuacct"
+    job, rank = cpu / "job", cpu / "job" / "rank0"
+    rank.mkdir(parents=True)
+    (cpuacct / "job" / "rank0").mkdir(parents=True)
+    for group, quota in ((cpu, -1), (job, 150000), (rank, 50000)):
+        (group / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (group / "cpu.cfs_period_us").write_text("100000\n")
+    (cpuacct / "job" / "rank0" / "cpuacct.usage").write_text("2500000000\n")
+    found = find_cpu_quota("3:cpuacct:/job/rank0\n2:cpu:/job/rank0\n0::/\n", root=tmp_path)
+    assert found == CpuQuota(cores=0.5, group=rank, usage=cpuacct / "job" / "rank0" / "cpuacct.usage")
+    assert found.cpu_seconds() == 2.5  # the group's CPU time, its DataLoader workers included
+    # the job's 1.5 cores are tighter than a rank's 2; the process sits elsewhere in cpuacct: its own CPU time
+    (rank / "cpu.cfs_quota_us").write_text("200000\n")
+    found = find_cpu_quota("3:cpuacct:/\n2:cpu:/job/rank0\n", root=tmp_path)
+    assert found == CpuQuota(cores=1.5, group=job, usage=None)
+    assert found.cpu_seconds() == pytest.approx(time.process_time(), abs=0.5)
+    # no quota anywhere, or no cpu controller at all
+    for group in (job, rank):
+        (group / "cpu.cfs_quota_us").write_text("-1\n")
+    assert find_cpu_quota("2:cpu:/job/rank0\n", root=tmp_path) is None
+    assert find_cpu_quota("2:memory:/job\n", root=tmp_path) is None
+
+
+def test_a_cpu_quota_and_its_usage_are_read_from_cgroup_v2(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpu memory\n")
+    pod = tmp_path / "kubepods" / "pod1"
+    pod.mkdir(parents=True)
+    (tmp_path / "kubepods" / "cpu.max").write_text("max 100000\n")
+    (pod / "cpu.max").write_text("25000 100000\n")
+    (pod / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
+    found = find_cpu_quota("0::/kubepods/pod1\n", root=tmp_path)
+    assert found == CpuQuota(cores=0.25, group=pod, usage=pod / "cpu.stat")
+    assert found.cpu_seconds() == 1.5
+    (pod / "cpu.max").write_text("max 100000\n")
+    assert find_cpu_quota("0::/kubepods/pod1\n", root=tmp_path) is None
+
+
+def test_step_clock_charges_each_step_the_cpu_time_of_its_quota_and_keeps_the_least_wait(tmp_path):
+    usage = tmp_path / "cpuacct.usage"
+    usage.write_text("0")
+    t = ManualTime()
+    clock = StepClock(timer=t, cpu_quota=CpuQuota(cores=0.5, group=tmp_path, usage=usage))
+    for used_ns, wait in ((0.012e9, 0.02), (0.032e9, 0.004), (0.042e9, 0.03)):
+        clock.data_start()
+        t.advance(0.01)
+        clock.data_end(32)
+        usage.write_text(str(int(used_ns)))  # CPU charged to the group during the step
+        t.advance(0.05)
+        clock.bucket_ready(1000)
+        t.advance(wait)
+        clock.backward_end()
+        clock.step_end()
+    summary = clock.summary()
+    assert summary.cpu_time == pytest.approx(0.042 / 3)
+    assert summary.cpu_quota == 0.5
+    assert summary.least_sync_wait == pytest.approx(0.004)
+    assert summary.sync_wait == pytest.approx(0.018)
+    worker = WorkerMetrics(rank=0, batch_size=32, cpu_time=summary.cpu_time, cpu_quota=summary.cpu_quota)
+    assert worker.quota_step_time == pytest.approx(0.028)  # the least a step can take at half a core
+    assert math.isnan(WorkerMetrics(rank=0, batch_size=32, cpu_time=0.01).quota_step_time)
+    no_quota = StepClock(timer=t, cpu_quota=None)
+    assert no_quota.cpu_quota is None
+    assert math.isnan(no_quota.summary().cpu_quota)
