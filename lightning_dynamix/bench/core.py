@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning
 import torch
@@ -39,6 +39,7 @@ from lightning_dynamix import (
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data.synthetic import DemoClassifier, make_mlp
 from lightning_dynamix.metrics import StepClock
+from lightning_dynamix.metrics.system import CpuQuota
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 NUM_CLASSES = 10
@@ -137,9 +138,15 @@ class HookCost:
         setattr(callback, name, timed)
 
 
-def step_clock_cost(steps: int = 20000, buckets: int = 2) -> float:
-    """Seconds per step of the StepClock calls made outside the callback (loader, comm hook, backward)."""
-    clock = StepClock()
+def step_clock_cost(
+    steps: int = 20000, buckets: int = 2, cpu_quota: CpuQuota | Literal["find"] | None = "find"
+) -> float:
+    """Seconds per step of the StepClock calls made outside the callback (loader, comm hook, backward).
+
+    ``cpu_quota`` as :class:`~lightning_dynamix.metrics.StepClock` takes it: by default the calling
+    process's, whose CPU-time counter the clock reads twice a step.
+    """
+    clock = StepClock(cpu_quota=cpu_quota)
     start = time.perf_counter()
     for _ in range(steps):
         clock.data_start()

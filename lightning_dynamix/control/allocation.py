@@ -180,16 +180,9 @@ def arrival_time(worker: WorkerMetrics, transfer_time: float = 0.0) -> float:
 
 
 def arrival_times(state: ClusterState) -> list[float]:
-    """Every rank's :func:`arrival_time` in ``state``, seconds into the step.
-
-    The bare transfer is the least wait of any rank at any step of the interval
-    (:attr:`~lightning_dynamix.metrics.state.WorkerMetrics.least_sync_wait`): a mean, as
-    :attr:`~lightning_dynamix.metrics.state.ClusterState.transfer_time` is, also holds the steps at
-    which a rank under a quota was frozen inside the collective (where it is not measured, the
-    least mean wait).
-    """
-    least = [w.least_sync_wait for w in state.workers if math.isfinite(w.least_sync_wait)]
-    transfer = max(0.0, min(least)) if least else state.transfer_time
+    """Every rank's :func:`arrival_time` in ``state``, seconds into the step; a quota's bound less the
+    state's :attr:`~lightning_dynamix.metrics.state.ClusterState.bare_transfer_time`."""
+    transfer = state.bare_transfer_time
     return [arrival_time(w, transfer) for w in state.workers]
 
 

@@ -226,6 +226,18 @@ class ClusterState:
         return max(0.0, min(waits)) if waits else 0.0
 
     @cached_property
+    def bare_transfer_time(self) -> float:
+        """The all-reduce alone, seconds per step: the least wait of any rank at any step of the interval.
+
+        :attr:`transfer_time` is a least mean, and a mean also holds the steps at which a rank was late
+        or frozen by its CPU quota inside the collective; the least single step
+        (:attr:`WorkerMetrics.least_sync_wait`) holds neither. :attr:`transfer_time` where no rank
+        measured it.
+        """
+        least = [w.least_sync_wait for w in self.workers if math.isfinite(w.least_sync_wait)]
+        return max(0.0, min(least)) if least else self.transfer_time
+
+    @cached_property
     def rank_speeds(self) -> tuple[float, ...]:
         """``s_r`` per rank: samples per second the rank would reach if it never waited for another rank.
 

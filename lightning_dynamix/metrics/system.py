@@ -8,6 +8,7 @@ cgroup's CFS bandwidth limit) is found once, when its step clock is made (:func:
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,28 +111,40 @@ class CpuQuota:
     by ``cores``. ``usage`` is the counter that quota is charged from: the cgroup's own (cgroup v2
     ``cpu.stat``, or a v1 ``cpuacct.usage`` accounting the same group), which includes its
     DataLoader workers; ``None`` where the group is not accounted, and then the process's own CPU
-    time (all its threads, no child processes) stands for it.
+    time (all its threads, no child processes) stands for it. One counter is read throughout, so
+    that differences of readings are CPU time.
     """
 
     cores: float
     group: Path
     usage: Path | None = None
 
-    def cpu_seconds(self) -> float:
-        """CPU seconds charged to the quota so far (a counter: differences are what matter)."""
-        if self.usage is not None:
+    def counter(self) -> Callable[[], float]:
+        """A reader of the CPU seconds charged to the quota so far (differences are what matter).
+
+        It keeps the group's counter open, so that a reading (twice a step, by the step clock) is one
+        ``pread``, not an open and a close. A reading that fails is NaN, never the process's own CPU
+        time instead: a difference of two counters is no CPU time.
+        """
+        if self.usage is None:
+            return time.process_time
+        try:
+            handle = self.usage.open("rb", buffering=0)
+        except OSError:
+            return lambda: NAN
+        scale = 1e-6 if self.usage.name == "cpu.stat" else 1e-9  # v2 usage_usec; v1 cpuacct.usage, ns
+
+        def read() -> float:
             try:
-                text = self.usage.read_text()
+                text = os.pread(handle.fileno(), 4096, 0).decode()
             except OSError:
-                return time.process_time()
-            if self.usage.name == "cpu.stat":  # v2: "usage_usec N"
-                for line in text.splitlines():
-                    key, _, value = line.partition(" ")
-                    if key == "usage_usec":
-                        return int(value) / 1e6
-                return time.process_time()
-            return int(text) / 1e9  # v1 cpuacct.usage, nanoseconds
-        return time.process_time()
+                return NAN
+            if scale == 1e-6:  # "usage_usec N" among other lines
+                fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
+                return int(fields["usage_usec"]) * scale if "usage_usec" in fields else NAN
+            return int(text) * scale
+
+        return read
 
 
 def _v2_quota(directory: Path) -> float | None:
@@ -171,7 +184,7 @@ def find_cpu_quota(proc_cgroup: str | None = None, root: Path = CGROUP_ROOT) -> 
             for controller in parts[1].split(",") if parts[1] else [""]:
                 paths[controller] = parts[2]
     if (root / "cgroup.controllers").exists() and "" in paths:  # the unified (v2) hierarchy
-        return _tightest(root, paths[""], _v2_quota, lambda group: group / "cpu.stat")
+        return _tightest(root, paths[""], _v2_quota, lambda group: _existing(group / "cpu.stat"))
     if "cpu" not in paths:
         return None
     mount = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / name).is_dir()), None)
@@ -183,13 +196,16 @@ def find_cpu_quota(proc_cgroup: str | None = None, root: Path = CGROUP_ROOT) -> 
         relative = group.relative_to(mount)
         if "cpuacct" not in paths or Path("/", paths["cpuacct"]) != Path("/", relative):
             return None
-        for name in ("cpu,cpuacct", "cpuacct,cpu", "cpuacct"):
-            counter = root / name / relative / "cpuacct.usage"
-            if counter.exists():
-                return counter
-        return None
+        counters = (
+            _existing(root / name / relative / "cpuacct.usage") for name in ("cpu,cpuacct", "cpuacct,cpu", "cpuacct")
+        )
+        return next((counter for counter in counters if counter is not None), None)
 
     return _tightest(mount, paths["cpu"], _v1_quota, accounted)
+
+
+def _existing(path: Path) -> Path | None:
+    return path if path.exists() else None
 
 
 def _tightest(
@@ -197,15 +213,15 @@ def _tightest(
 ) -> CpuQuota | None:
     """Walk from ``mount/path`` up to ``mount``: the group with the smallest quota, with its usage counter."""
     group = mount / path.strip("/")
-    best: CpuQuota | None = None
+    quotas: list[tuple[float, Path]] = []
     while True:
         cores = read(group)
-        if cores is not None and (best is None or cores < best.cores):
-            best = CpuQuota(cores=cores, group=group)
+        if cores is not None:
+            quotas.append((cores, group))
         if group == mount or mount not in group.parents:
             break
         group = group.parent
-    if best is None:
+    if not quotas:
         return None
-    counter = usage(best.group)
-    return CpuQuota(best.cores, best.group, counter if counter is not None and counter.exists() else None)
+    cores, tightest = min(quotas, key=lambda quota: quota[0])  # the innermost of equal ones
+    return CpuQuota(cores, tightest, usage(tightest))

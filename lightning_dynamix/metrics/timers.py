@@ -64,8 +64,8 @@ class IntervalSummary:
     """Means over the steps of an interval at one batch size; times in seconds per step.
 
     ``comm_time``, ``comm_bytes``, ``bandwidth`` and ``least_sync_wait`` (the least, not the mean) are
-    over synchronising steps only; everything is
-    NaN when no step was recorded. ``cpu_quota`` is the rank's CPU quota in cores, NaN without one.
+    over synchronising steps only; everything is NaN when no step was recorded. ``cpu_quota`` is the
+    rank's CPU quota in cores, NaN without one.
     """
 
     batch_size: int
@@ -113,7 +113,7 @@ class StepClock:
     ) -> None:
         self._timer = timer
         self.cpu_quota = find_cpu_quota() if cpu_quota == "find" else cpu_quota
-        self._cpu: Callable[[], float] = self.cpu_quota.cpu_seconds if self.cpu_quota is not None else time.process_time
+        self._cpu = self.cpu_quota.counter() if self.cpu_quota is not None else time.process_time
         self._lock = threading.Lock()  # all-reduce completions arrive on the backend's thread
         self.last_step: StepRecord | None = None
         self._reset_step()
@@ -208,7 +208,7 @@ class StepClock:
         n = self._steps
         quota = self.cpu_quota.cores if self.cpu_quota is not None else NAN
         if n == 0:
-            return IntervalSummary(self._interval_size, 0, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, quota, NAN)
+            return IntervalSummary(self._interval_size, 0, *[NAN] * 8, cpu_quota=quota)
         synced = self._synced_steps
         return IntervalSummary(
             batch_size=self._interval_size,

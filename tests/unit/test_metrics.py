@@ -243,12 +243,12 @@ def test_the_tightest_cpu_quota_on_the_way_to_the_root_is_found_in_cgroup_v1(tmp
     (cpuacct / "job" / "rank0" / "cpuacct.usage").write_text("2500000000\n")
     found = find_cpu_quota("3:cpuacct:/job/rank0\n2:cpu:/job/rank0\n0::/\n", root=tmp_path)
     assert found == CpuQuota(cores=0.5, group=rank, usage=cpuacct / "job" / "rank0" / "cpuacct.usage")
-    assert found.cpu_seconds() == 2.5  # the group's CPU time, its DataLoader workers included
+    assert found.counter()() == 2.5  # the group's CPU time, its DataLoader workers included
     # the job's 1.5 cores are tighter than a rank's 2; the process sits elsewhere in cpuacct: its own CPU time
     (rank / "cpu.cfs_quota_us").write_text("200000\n")
     found = find_cpu_quota("3:cpuacct:/\n2:cpu:/job/rank0\n", root=tmp_path)
     assert found == CpuQuota(cores=1.5, group=job, usage=None)
-    assert found.cpu_seconds() == pytest.approx(time.process_time(), abs=0.5)
+    assert found.counter()() == pytest.approx(time.process_time(), abs=0.5)
     # no quota anywhere, or no cpu controller at all
     for group in (job, rank):
         (group / "cpu.cfs_quota_us").write_text("-1\n")
@@ -265,7 +265,9 @@ def test_a_cpu_quota_and_its_usage_are_read_from_cgroup_v2(tmp_path):
     (pod / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
     found = find_cpu_quota("0::/kubepods/pod1\n", root=tmp_path)
     assert found == CpuQuota(cores=0.25, group=pod, usage=pod / "cpu.stat")
-    assert found.cpu_seconds() == 1.5
+    assert found.counter()() == 1.5
+    (pod / "cpu.stat").unlink()  # an unreadable counter is no reading, not the process's CPU time instead
+    assert math.isnan(found.counter()())
     (pod / "cpu.max").write_text("max 100000\n")
     assert find_cpu_quota("0::/kubepods/pod1\n", root=tmp_path) is None
 
@@ -293,6 +295,13 @@ def test_step_clock_charges_each_step_the_cpu_time_of_its_quota_and_keeps_the_le
     worker = WorkerMetrics(rank=0, batch_size=32, cpu_time=summary.cpu_time, cpu_quota=summary.cpu_quota)
     assert worker.quota_step_time == pytest.approx(0.028)  # the least a step can take at half a core
     assert math.isnan(WorkerMetrics(rank=0, batch_size=32, cpu_time=0.01).quota_step_time)
+    # the bare transfer: the least single step's wait over the ranks, not the least mean wait
+    waits = [
+        WorkerMetrics(rank=r, batch_size=32, sync_wait=w, least_sync_wait=least)
+        for r, (w, least) in enumerate([(0.018, 0.004), (0.012, 0.009)])
+    ]
+    assert ClusterState(workers=tuple(waits)).bare_transfer_time == pytest.approx(0.004)
+    assert ClusterState(workers=(WorkerMetrics(rank=0, batch_size=32, sync_wait=0.012),)).bare_transfer_time == 0.012
     no_quota = StepClock(timer=t, cpu_quota=None)
     assert no_quota.cpu_quota is None
     assert math.isnan(no_quota.summary().cpu_quota)
