@@ -168,15 +168,19 @@ def _pin(cores: Sequence[int]) -> None:
 
 def apply(places: list[RankPlace] | None, rank: int) -> None:
     """Put the calling process, rank ``rank``, in its place: its cores, threads and cgroup."""
+    # the emulator's factors are relative to one thread's speed
+    threads = 1 if places is None else places[rank].threads
+    torch.set_num_threads(threads)
+    # Lightning's launcher gives a process cores // ranks threads unless OMP_NUM_THREADS is set (a lone
+    # rank would get every core)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     if places is None:
-        torch.set_num_threads(1)  # the emulator's factors are relative to one thread's speed
         return
     place = places[rank]
     if place.quota is not None:
         group = Path(os.environ[_CGROUP_ENV]) / f"rank{rank}"
         (group / "cgroup.procs").write_text(str(os.getpid()))
     _pin(place.cores)
-    torch.set_num_threads(place.threads)
 
 
 class Contention:

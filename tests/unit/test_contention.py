@@ -142,3 +142,23 @@ def test_a_quota_holds_a_rank_to_its_share_of_a_core_and_the_cgroups_are_removed
     assert found == 0.25  # the rank reads its own quota from its cgroup
     assert 0.15 < share < 0.35  # a quarter of a core, not the whole core a spin loop takes
     assert not group.exists()
+
+
+_THREADS = """
+import sys
+import torch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning_dynamix.bench import contention
+places = None if sys.argv[1] == "emulate" else [contention.RankPlace(cores=(0,), threads=int(sys.argv[1]))]
+contention.apply(places, 0)
+_set_num_threads_if_needed(num_processes=1)  # what Lightning's launcher does in a job of one rank
+print(torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize(("mode", "threads"), [("emulate", 1), ("2", 2)])
+def test_a_rank_keeps_the_threads_its_place_gives_when_lightning_launches_it(mode, threads):
+    # a lone rank would otherwise get every core, and the emulator's factors are per thread
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", _THREADS, mode], capture_output=True, text=True, env=env, check=True)
+    assert int(out.stdout.split()[-1]) == threads
