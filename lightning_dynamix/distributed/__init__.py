@@ -9,7 +9,12 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
-from lightning_dynamix.distributed.sit_out import training_ranks_group, zero_gradient_loss
+from lightning_dynamix.distributed.sit_out import (
+    broadcast_training_state,
+    can_leave_gradient_sync,
+    training_ranks_group,
+    zero_gradient_loss,
+)
 from lightning_dynamix.distributed.weighting import (
     LossReduction,
     SyncWindowWeighting,
@@ -23,6 +28,8 @@ __all__ = [
     "SyncWindowWeighting",
     "WeightedAllReduceState",
     "broadcast_floats",
+    "broadcast_training_state",
+    "can_leave_gradient_sync",
     "gather_floats",
     "gather_ints",
     "let_backend_threads_finish",

@@ -15,10 +15,13 @@
 
 With ``min_batch_size=0`` a rank can be given 0 samples: it *sits the step out*. It stays in the
 process group, but ``training_step`` is not called on it: its loader hands out an
-:class:`~lightning_dynamix.data.EmptyBatch`, and the strategy back-propagates a loss of 0 through the
-DDP wrapper instead (a zero gradient, weight 0), so the step costs it neither the model's forward nor
-its backward pass, and the optimizer step is the same on every rank. This needs automatic
-optimisation. Values logged with ``sync_dist=True`` from ``training_step`` are averaged over the ranks
+:class:`~lightning_dynamix.data.EmptyBatch`. Where one step is one synchronisation and DDP makes no
+collective of its own, it skips the step altogether: the others all-reduce among themselves, and it
+receives their parameters and optimizer state (it fell behind) before it trains again, before
+validation, with every checkpoint and at the end of training. Elsewhere the strategy back-propagates a
+loss of 0 through the DDP wrapper instead (a zero gradient, weight 0), so the step costs it neither the
+model's forward nor its backward pass, and the optimizer step is the same on every rank. This needs
+automatic optimisation. Values logged with ``sync_dist=True`` from ``training_step`` are averaged over the ranks
 that train the step; a rank that sits out logs nothing for it (Lightning's loggers write rank 0's
 values, so while rank 0 sits out its ``training_step`` metrics are not written), and an
 epoch-level aggregate with ``sync_dist=True`` needs every rank to have logged it at least once in
@@ -40,6 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
@@ -62,6 +66,8 @@ from lightning_dynamix.distributed import (
     LossReduction,
     SyncWindowWeighting,
     WeightedAllReduceState,
+    broadcast_training_state,
+    can_leave_gradient_sync,
     let_backend_threads_finish,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
@@ -162,6 +168,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
+        # ranks that skipped optimizer steps (sat out, away from the all-reduce) and so hold stale state,
+        # and whether this rank skips the step being trained
+        self._stale: set[int] = set()
+        self._left_step = False
         self.resume_weights: ResumeWeights | None = None
         """Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of
         ranks (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly."""
@@ -386,6 +396,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._stale.clear()
         combined = self.lightning_module.trainer.fit_loop._combined_loader
         if combined is not None and len(combined.flattened) != 1:
             raise MisconfigurationException(
@@ -402,18 +413,91 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         loader = self._train_loader
-        if loader is not None and loader.sits_out and isinstance(self.model, DistributedDataParallel):
-            # no samples: a loss of 0 through DDP's forward, so the rank joins the all-reduce with nothing
-            with self.precision_plugin.train_step_context():
-                return zero_gradient_loss(self.model)
+        self._left_step = False
+        if loader is not None and loader.current_step >= 0 and isinstance(self.model, DistributedDataParallel):
+            sizes = loader.current_batch_sizes
+            out = self._ranks_leaving(sizes)
+            if self._stale - out:  # a rank that skipped steps trains again: it needs the others' state first
+                self._sync_stale_ranks()
+            self._stale |= out  # they miss this step's update
+            # the ranks that train all-reduce among themselves while others are away
+            self._hook_state.process_group = training_ranks_group(sizes) if out and not loader.sits_out else None
+            if loader.sits_out:
+                if out:
+                    # away from the all-reduce: a loss without parameters, so nothing of DDP runs
+                    self._left_step = True
+                    return torch.zeros((), device=self.root_device, requires_grad=True)
+                # no samples: a loss of 0 through DDP's forward, so the rank joins the all-reduce with nothing
+                with self.precision_plugin.train_step_context():
+                    return zero_gradient_loss(self.model)
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
 
+    def _ranks_leaving(self, sizes: BatchSizes) -> set[int]:
+        """The ranks with no samples that skip this step altogether: away from the gradient all-reduce.
+
+        Only where one step is one synchronisation (no gradient accumulation, whose window's later
+        sizes may still change), no GradScaler (its scale follows every optimizer step) and DDP makes no
+        collective of its own in forward or backward (:func:`can_leave_gradient_sync`); elsewhere they
+        join the all-reduce with a zero gradient.
+        """
+        if min(sizes) > 0:
+            return set()
+        model, module = self.model, self.lightning_module
+        assert isinstance(model, DistributedDataParallel)
+        assert module is not None
+        if (
+            module.trainer.accumulate_grad_batches != 1
+            or getattr(self.precision_plugin, "scaler", None) is not None
+            or not can_leave_gradient_sync(model)
+        ):
+            return set()
+        return {r for r, b in enumerate(sizes) if b == 0}
+
+    def _sync_stale_ranks(self) -> None:
+        """Give the ranks that skipped optimizer steps the parameters, buffers and optimizer state of the others.
+
+        A collective: every rank calls it at the same point (a step, the start of validation, a
+        checkpoint, the end of training), and every rank knows which ranks are stale.
+        """
+        if not self._stale:
+            return
+        source = min(set(range(self.world_size)) - self._stale)
+        module = self.lightning_module
+        assert module is not None
+        broadcast_training_state(module, module.trainer.optimizers, source)
+        self._stale.clear()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_stale_ranks()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self._sync_stale_ranks()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._sync_stale_ranks()  # a checkpoint: every rank makes it, rank 0 writes it
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self._sync_stale_ranks()
+        return super().optimizer_state(optimizer)
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._left_step:  # the rank skips this step: no weights, no synchronisation
+            output = super().backward(closure_loss, optimizer, *args, **kwargs)
+            if self._step_clock is not None:
+                self._step_clock.backward_end()
+            return output
         syncing = False
         loader = self._train_loader
         module = self.lightning_module

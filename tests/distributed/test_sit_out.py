@@ -45,6 +45,26 @@ def test_ranks_that_sit_out_train_exactly_like_one_process_on_the_union(results,
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
+def test_a_rank_that_sits_out_skips_the_step_and_is_brought_up_to_date_before_it_is_used(results, name):
+    ranks = results[name]
+    _, accumulate = SCENARIOS[name]
+    behind = []  # for each rank out at a step: were its parameters after it not those of a rank that trained it?
+    for k in range(len(ranks[0]["steps"])):
+        trained = next(r for r in ranks if r["steps"][k][2])
+        behind += [r["weights"][k] != trained["weights"][k] for r in ranks if not r["steps"][k][2]]
+    assert behind
+    # one step, one all-reduce: a rank with no samples leaves it and skips the optimizer step (it does
+    # not hold the others up); within accumulation windows it joins the all-reduce with a zero gradient
+    assert all(behind) if accumulate == 1 else not any(behind)
+    # the last step of each epoch has a rank out; validation and the end of training see one model
+    assert not ranks[1]["steps"][-1][2]
+    assert len(ranks[0]["validated"]) == 2
+    assert len({tuple(r["validated"]) for r in ranks}) == 1
+    final = [sum(v.double().sum().item() for v in r["params"].values()) for r in ranks]
+    assert final == [final[0]] * WORLD
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
 def test_every_sample_once_per_epoch_with_ranks_out_and_back(results, name):
     ranks = results[name]
     assert len({len(r["steps"]) for r in ranks}) == 1

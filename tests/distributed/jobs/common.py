@@ -103,11 +103,23 @@ class Recorder(Callback):
     """Records, per training batch, the epoch, batch index, sample indices and the synced probe.
 
     A step the rank sits out (an :class:`EmptyBatch`) has no indices and no probe of its own (``None``).
+    ``weights`` holds the sum of this rank's parameters after each batch, ``validated`` at the first
+    batch of each validation.
     """
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, list[int]]] = []
         self.probes: list[float] = []
+        self.weights: list[float] = []
+        self.validated: list[float] = []
+
+    @staticmethod
+    def _weight_sum(module) -> float:
+        return sum(float(p.detach().double().sum()) for p in module.parameters())
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not trainer.sanity_checking:
+            self.validated.append(self._weight_sum(pl_module))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         indices = [] if isinstance(batch, EmptyBatch) else batch[0].tolist()
@@ -116,6 +128,7 @@ class Recorder(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         sat_out = isinstance(batch, EmptyBatch)
         self.probes.append(None if sat_out else float(trainer.callback_metrics["probe_loss"]))
+        self.weights.append(self._weight_sum(pl_module))
 
 
 class Resizer(Callback):

@@ -36,6 +36,8 @@ def fit(name, optimizer, accumulate=1, ckpt_path=None, callbacks=(), **trainer_k
         {
             "steps": recorder.steps,
             "probes": recorder.probes,
+            "weights": recorder.weights,
+            "validated": recorder.validated,
             "params": {k: v.detach().cpu() for k, v in model.net.state_dict().items()},
         },
         out / f"{name}-rank{trainer.global_rank}.pt",
