@@ -103,54 +103,43 @@ def can_leave_gradient_sync(model: DistributedDataParallel) -> bool:
 def _optimizer_state_tensors(optimizer: Optimizer, src: int, group: dist.ProcessGroup | None) -> list[Tensor]:
     """Make ``optimizer``'s state on this rank the same shape as ``src``'s; its tensors, in one order on every rank.
 
-    The layout (which parameter holds which entries, their shapes and dtypes, and every value that is
-    not a tensor, the parameter groups' hyperparameters included) comes from ``src`` as one object;
-    the tensors are then broadcast by the caller.
+    The layout (for each parameter with state: its tensors' shapes and dtypes, and its other values;
+    the parameter groups' hyperparameters) comes from ``src`` as one object; the tensors are then
+    broadcast by the caller.
     """
     params = [p for g in optimizer.param_groups for p in g["params"]]
     layout: list[Any] = [None]
     if dist.get_rank() == src:
-        entries = []
+        entries = {}
         for index, param in enumerate(params):
             state = optimizer.state.get(param, {})
+            tensors = {
+                k: (v.shape, v.dtype, v.device == param.device) for k, v in state.items() if isinstance(v, Tensor)
+            }
+            values = {k: v for k, v in state.items() if not isinstance(v, Tensor)}
             if state:
-                entries.append(
-                    (
-                        index,
-                        {
-                            key: (tuple(v.shape), v.dtype, v.device == param.device) if isinstance(v, Tensor) else v
-                            for key, v in state.items()
-                        },
-                        {key for key, v in state.items() if isinstance(v, Tensor)},
-                    )
-                )
+                entries[index] = (tensors, values)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         layout = [(entries, groups)]
     dist.broadcast_object_list(layout, src=src, group=group)
     entries, groups = layout[0]
     for mine, theirs in zip(optimizer.param_groups, groups, strict=True):
         mine.update(theirs)
-    tensors: list[Tensor] = []
-    kept = set()
-    for index, spec, tensor_keys in entries:
-        param = params[index]
-        kept.add(param)
-        state = optimizer.state[param]
-        for key in [k for k in state if k not in spec]:
-            del state[key]
-        for key, value in spec.items():
-            if key not in tensor_keys:
-                state[key] = value
-                continue
-            shape, dtype, on_param_device = value
-            device = param.device if on_param_device else torch.device("cpu")
-            current = state.get(key)
+    out: list[Tensor] = []
+    for index, param in enumerate(params):
+        if index not in entries:
+            optimizer.state.pop(param, None)
+            continue
+        tensors, values = entries[index]
+        old = optimizer.state[param]
+        state = optimizer.state[param] = dict(values)
+        for key, (shape, dtype, on_param_device) in tensors.items():
+            current = old.get(key)
             if not (isinstance(current, Tensor) and current.shape == shape and current.dtype == dtype):
-                state[key] = current = torch.empty(shape, dtype=dtype, device=device)
-            tensors.append(current)
-    for param in [p for p in optimizer.state if p not in kept]:
-        del optimizer.state[param]
-    return tensors
+                current = torch.empty(shape, dtype=dtype, device=param.device if on_param_device else "cpu")
+            state[key] = current
+            out.append(current)
+    return out
 
 
 def broadcast_training_state(

@@ -132,17 +132,17 @@ class CpuQuota:
             handle = self.usage.open("rb", buffering=0)
         except OSError:
             return lambda: NAN
-        scale = 1e-6 if self.usage.name == "cpu.stat" else 1e-9  # v2 usage_usec; v1 cpuacct.usage, ns
+        v2 = self.usage.name == "cpu.stat"  # v2: "usage_usec N" among other lines; v1 cpuacct.usage: ns
 
         def read() -> float:
             try:
                 text = os.pread(handle.fileno(), 4096, 0).decode()
             except OSError:
                 return NAN
-            if scale == 1e-6:  # "usage_usec N" among other lines
+            if v2:
                 fields = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
-                return int(fields["usage_usec"]) * scale if "usage_usec" in fields else NAN
-            return int(text) * scale
+                return int(fields["usage_usec"]) * 1e-6 if "usage_usec" in fields else NAN
+            return int(text) * 1e-9
 
         return read
 

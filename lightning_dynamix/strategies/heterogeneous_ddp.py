@@ -420,21 +420,24 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if self._stale - out:  # a rank that skipped steps trains again: it needs the others' state first
                 self._sync_stale_ranks()
             self._stale |= out  # they miss this step's update
-            # the ranks that train all-reduce among themselves while others are away
-            self._hook_state.process_group = training_ranks_group(sizes) if out and not loader.sits_out else None
             if loader.sits_out:
-                if out:
-                    # away from the all-reduce: a loss without parameters, so nothing of DDP runs
-                    self._left_step = True
-                    return torch.zeros((), device=self.root_device, requires_grad=True)
-                # no samples: a loss of 0 through DDP's forward, so the rank joins the all-reduce with nothing
-                with self.precision_plugin.train_step_context():
-                    return zero_gradient_loss(self.model)
+                return self._loss_without_samples(left=self.global_rank in out)
+            # the ranks that train all-reduce among themselves while others are away
+            self._hook_state.process_group = training_ranks_group(sizes) if out else None
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
+
+    def _loss_without_samples(self, left: bool) -> Tensor:
+        """The loss of a rank with no samples: it leaves the step (``left``), or joins the all-reduce with nothing."""
+        self._left_step = left
+        if left:  # a loss without parameters: nothing of DDP runs
+            return torch.zeros((), device=self.root_device, requires_grad=True)
+        # a loss of 0 through DDP's forward: a zero gradient of weight 0
+        with self.precision_plugin.train_step_context():
+            return zero_gradient_loss(self.model)
 
     def _ranks_leaving(self, sizes: BatchSizes) -> set[int]:
         """The ranks with no samples that skip this step altogether: away from the gradient all-reduce.

@@ -50,3 +50,22 @@ for name, (optimizer, accumulate) in SCENARIOS.items():
 mid = ModelCheckpoint(dirpath=out / "mid", filename="mid", every_n_train_steps=3, save_top_k=-1)
 fit("mid1", "adam", max_steps=3, callbacks=[mid], enable_checkpointing=True)
 fit("mid2", "adam", ckpt_path=out / "mid" / "mid.ckpt", max_epochs=2)
+
+# a rank whose optimizer never stepped (it sat out from the start) receives rank 0's state, layout and all
+import torch.distributed as dist  # noqa: E402
+
+from lightning_dynamix.distributed import broadcast_training_state  # noqa: E402
+
+rank = dist.get_rank()
+torch.manual_seed(rank)  # different parameters on every rank
+module = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+optimizer = torch.optim.Adam(module.parameters(), lr=0.1)
+if rank == 0:
+    for _ in range(2):
+        module(torch.randn(8, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+broadcast_training_state(module, [optimizer], src=0)
+module(torch.ones(8, 4)).square().sum().backward()  # the same batch everywhere: the same step from here
+optimizer.step()
+torch.save({"module": module.state_dict(), "optimizer": optimizer.state_dict()}, out / f"broadcast-rank{rank}.pt")
