@@ -9,6 +9,14 @@ whole step's compute (forward and backward, without the sleep) to its forward pa
 the last few steps; once a few steps of the same batch size have run, the median of their forward
 passes stands in for this step's. So the emulated slowdown follows a batch-size change from its
 first step, and a single slow step (start-up, a hiccup) is not multiplied.
+
+What it emulates is a slower device for the model's compute (a slower GPU beside faster ones): a
+step in which the rank has no samples (it sits the step out, ``min_batch_size=0``) runs none of
+the model, so it is not slowed; the framework's own work per step (Lightning's loop, the hooks) is
+slowed only as far as it falls between a step's start and its backward. A machine that is slow at
+everything, its host included, runs even an empty step slowly: emulate that with real contention
+(``dynamix bench balance --contention quota``), not with this callback.
+
 Speeds can change at scheduled optimizer steps to emulate a slowdown or a recovery mid-run.
 """
 
@@ -79,7 +87,7 @@ class HeterogeneityEmulator(Callback):
         self._forward_start = 0.0
         self._forward = 0.0
         self._slept = 0.0
-        self._backward_seen = False  # the last step ran backward, so its compute time is a measurement
+        self._backward_seen = False  # the last step ran backward with samples: its compute time is a measurement
         self._strategy: HeterogeneousDDPStrategy | None = None
 
     def factor_at(self, rank: int, step: int) -> float:
@@ -91,6 +99,11 @@ class HeterogeneityEmulator(Callback):
             if who == rank:
                 factor = value
         return factor
+
+    @property
+    def slept(self) -> float:
+        """Seconds this rank slept in its current (or last) step; 0.0 for a step it had no samples in."""
+        return self._slept
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -122,6 +135,8 @@ class HeterogeneityEmulator(Callback):
         # a collective inside training_step (sync_dist logging) waits for other ranks: not this rank's work
         self._forward = time.perf_counter() - self._forward_start - self._clock.step_collective_time
         sizes = self._strategy.current_batch_sizes
+        if sizes is not None and sizes[self._rank] == 0:  # no samples: none of the model runs, nothing to slow
+            return
         batch_size = sizes[self._rank] if sizes else 0
         self._forwards.append((batch_size, self._forward))
         factor = self.factor_at(self._rank, trainer.global_step)

@@ -64,6 +64,30 @@ def test_a_rank_that_sits_out_skips_the_step_and_is_brought_up_to_date_before_it
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
+def test_the_emulator_slows_a_rank_s_compute_and_not_a_step_it_has_no_samples_in(results, name):
+    # every rank is emulated 2x slower; a step without samples runs none of the model, left or joined
+    for rank in results[name]:
+        slept = [s for (_, _, indices), s in zip(rank["steps"], rank["slept"]) if indices]
+        idle = [s for (_, _, indices), s in zip(rank["steps"], rank["slept"]) if not indices]
+        assert idle
+        assert all(s == 0.0 for s in idle)
+        assert all(s > 0.0 for s in slept[1:])  # from its second step on, once its compute was measured
+
+
+@pytest.mark.parametrize("name", ["sgd-acc1", "adam-acc1"])
+def test_gradient_norms_are_reported_where_more_than_one_rank_trains(results, name):
+    # one step, one synchronisation: a rank training alone holds the global gradient (nothing for the noise scale)
+    ranks = results[name]
+    alone = 0
+    for k in range(len(ranks[0]["steps"])):
+        training = [i for i, r in enumerate(ranks) if r["steps"][k][2]]
+        alone += len(training) == 1
+        for i, r in enumerate(ranks):
+            assert r["norm_reports"][k] == (1 if i in training and len(training) > 1 else 0)
+    assert alone
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
 def test_every_sample_once_per_epoch_with_ranks_out_and_back(results, name):
     ranks = results[name]
     assert len({len(r["steps"]) for r in ranks}) == 1

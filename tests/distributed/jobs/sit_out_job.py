@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 from common import Net, Recorder, Resizer, quiet_trainer
+from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynamix import HeterogeneousDDPStrategy
+from lightning_dynamix.callbacks import HeterogeneityEmulator
 
 out = Path(sys.argv[1])
 # (epoch, batch_idx) after which the sizes change: rank 0 leaves, two ranks leave, all come back, rank 0 leaves again
@@ -20,14 +22,46 @@ PLAN = {(0, 1): [0, 9, 6], (0, 4): [4, 0, 0], (0, 7): [5, 5, 5], (1, 2): [0, 7, 
 SCENARIOS = {"sgd-acc1": ("sgd", 1), "adam-acc1": ("adam", 1), "sgd-acc2": ("sgd", 2), "adam-acc3": ("adam", 3)}
 
 
+class Sleeps(Callback):
+    """What the emulator slept in each training step of this rank."""
+
+    def __init__(self, emulator: HeterogeneityEmulator) -> None:
+        self.emulator = emulator
+        self.slept: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.slept.append(self.emulator.slept)
+
+
+class Norms(Callback):
+    """How many gradient-norm reports the strategy made in each training step of this rank."""
+
+    def __init__(self) -> None:
+        self.reports: list[int] = []
+        self._count = 0
+
+    def setup(self, trainer, pl_module, stage):
+        trainer.strategy.enable_gradient_norms(self.sink)
+
+    def sink(self, local_sq_norm, local_samples, global_sq_norm, global_samples):
+        self._count += 1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.reports.append(self._count)
+        self._count = 0
+
+
 def fit(name, optimizer, accumulate=1, ckpt_path=None, callbacks=(), **trainer_kwargs):
     recorder = Recorder()
+    emulator = HeterogeneityEmulator([2.0, 2.0, 2.0])  # every rank twice as slow at its compute
+    sleeps = Sleeps(emulator)
+    norms = Norms()
     strategy = HeterogeneousDDPStrategy(batch_sizes=[3, 7, 5], min_batch_size=0, seed=5, timeout=timedelta(seconds=90))
     trainer = quiet_trainer(
         devices=3,
         strategy=strategy,
         accumulate_grad_batches=accumulate,
-        callbacks=[recorder, Resizer(PLAN), *callbacks],
+        callbacks=[recorder, Resizer(PLAN), emulator, sleeps, norms, *callbacks],
         **trainer_kwargs,
     )
     model = Net(optimizer=optimizer)
@@ -38,6 +72,8 @@ def fit(name, optimizer, accumulate=1, ckpt_path=None, callbacks=(), **trainer_k
             "probes": recorder.probes,
             "weights": recorder.weights,
             "validated": recorder.validated,
+            "slept": sleeps.slept,
+            "norm_reports": norms.reports,
             "params": {k: v.detach().cpu() for k, v in model.net.state_dict().items()},
         },
         out / f"{name}-rank{trainer.global_rank}.pt",
