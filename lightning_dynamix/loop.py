@@ -33,9 +33,11 @@ NAN = float("nan")
 _LOSS_HISTORY = 4  # intervals the loss slope is fitted over
 _OK, _ERROR = 1.0, -1.0
 # a rank the controller keeps at size 0 is probed (given a few samples for one interval) after this many
-# decisions, then after twice as many each time it stays out, up to _PROBE_WAIT_MOST
+# decisions, then after twice as many each time it stays out, up to _PROBE_WAIT_MOST, and never so soon
+# that the probes cost the job more than _PROBE_BUDGET of its time (as the last probe measured)
 _PROBE_WAIT_FIRST = 8
 _PROBE_WAIT_MOST = 128
+_PROBE_BUDGET = 0.05
 _PROBE_SHARE = 0.25  # a probe's size: this fraction of an even share of the global batch
 
 
@@ -300,6 +302,11 @@ class DecisionMaker:
         self._in_for: list[int] = []
         self._probe_wait: list[int] = []
         self._probed: list[bool] = []
+        # per rank: whether the state to come measures its probe, and the wait that last probe's cost calls for;
+        # the job's time per sample in the last interval measured without a probe
+        self._measuring: list[bool] = []
+        self._cost_wait: list[int] = []
+        self._time_per_sample = NAN
 
     def decide(self, state: ClusterState, current: Sequence[int], is_rank_zero: bool, device: torch.device) -> Decision:
         """The decision of this interval on every rank: a collective (one broadcast)."""
@@ -363,25 +370,42 @@ class DecisionMaker:
                 f"the controller decided batch sizes {sizes} for {len(current)} ranks; every size must lie in"
                 f" [{low}, {high if high is not None else 'no limit'}]"
             )
-        sizes = self._probe(current, sizes, low, high)
+        sizes = self._probe(current, sizes, low, high, _job_time_per_sample(state))
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
         return Decision(tuple(sizes), lr_scale=scale, from_step=decision.from_step)
 
-    def _probe(self, current: Sequence[int], sizes: list[int], low: int, high: int | None) -> list[int]:
+    def _probe(
+        self, current: Sequence[int], sizes: list[int], low: int, high: int | None, time_per_sample: float
+    ) -> list[int]:
         """Give a rank kept at size 0 a few samples for one interval now and then, so that it is measured again.
 
         A rank that sits out is not measured: only a probe shows whether it became fast enough to
         come back. The first probe comes :data:`_PROBE_WAIT_FIRST` decisions after it left, and the
         wait doubles each time a probe brings it back for fewer than that many decisions (up to
         :data:`_PROBE_WAIT_MOST`), so a rank that stays slow costs the job less and less; a rank that
-        trains that long again starts afresh.
+        trains that long again starts afresh. A probe's cost is measured, the job's time per sample
+        (``time_per_sample``, the state's) in the probe's interval over the one before, and the wait
+        is never shorter than what keeps the probes within :data:`_PROBE_BUDGET` of the job's time:
+        ``(ratio - 1) / _PROBE_BUDGET`` decisions (a probe at 14 times the job's time per sample, an
+        8x straggler whose step is mostly fixed cost, waits 260 decisions).
         """
         n = len(sizes)
         if len(self._out_for) != n:
             self._out_for, self._in_for = [0] * n, [0] * n
             self._probe_wait, self._probed = [_PROBE_WAIT_FIRST] * n, [False] * n
+        if len(self._measuring) != n:
+            self._measuring, self._cost_wait = [False] * n, [0] * n
+        measured = [r for r in range(n) if self._measuring[r]]
+        if math.isfinite(time_per_sample) and time_per_sample > 0:
+            if not measured:
+                self._time_per_sample = time_per_sample
+            elif math.isfinite(self._time_per_sample) and self._time_per_sample > 0:
+                extra = max(0.0, time_per_sample / self._time_per_sample - 1.0)
+                for r in measured:
+                    self._cost_wait[r] = math.ceil(extra / _PROBE_BUDGET - 1e-9)
+        self._measuring = [False] * n
         total = sum(sizes)
         probe = max(1, int(_PROBE_SHARE * total / n))
         if high is not None:
@@ -394,7 +418,8 @@ class DecisionMaker:
                     self._probe_wait[r], self._probed[r] = _PROBE_WAIT_FIRST, False
                 continue
             if self._probed[r]:  # out again within _PROBE_WAIT_FIRST decisions of a probe
-                self._probe_wait[r] = min(2 * self._probe_wait[r], _PROBE_WAIT_MOST)
+                doubled = min(2 * self._probe_wait[r], _PROBE_WAIT_MOST)
+                self._probe_wait[r] = max(doubled, self._cost_wait[r])
                 self._probed[r] = False
             self._in_for[r] = 0
             self._out_for[r] += 1
@@ -410,7 +435,7 @@ class DecisionMaker:
                 sizes[donor] -= 1
                 taken += 1
             sizes[r] = taken
-            self._out_for[r], self._probed[r] = 0, taken > 0
+            self._out_for[r], self._probed[r], self._measuring[r] = 0, taken > 0, taken > 0
         return sizes
 
     def join(self, machine_ids: Sequence[str]) -> None:
@@ -457,7 +482,15 @@ class DecisionMaker:
             "base_global_batch": self.base_global_batch,
             "warned_not_finite": self._warned_not_finite,
             "machine_ids": self.machine_ids,
-            "probes": {"out": self._out_for, "in": self._in_for, "wait": self._probe_wait, "probed": self._probed},
+            "probes": {
+                "out": self._out_for,
+                "in": self._in_for,
+                "wait": self._probe_wait,
+                "probed": self._probed,
+                "measuring": self._measuring,
+                "cost_wait": self._cost_wait,
+                "time_per_sample": self._time_per_sample,
+            },
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -472,6 +505,16 @@ class DecisionMaker:
         self._in_for = [int(v) for v in probes.get("in", [])]
         self._probe_wait = [int(v) for v in probes.get("wait", [])]
         self._probed = [bool(v) for v in probes.get("probed", [])]
+        self._measuring = [bool(v) for v in probes.get("measuring", [])]
+        self._cost_wait = [int(v) for v in probes.get("cost_wait", [])]
+        self._time_per_sample = float(probes.get("time_per_sample", NAN))
+
+
+def _job_time_per_sample(state: ClusterState) -> float:
+    """The job's seconds per sample over ``state``'s interval: its slowest rank's step over the global batch."""
+    steps = [w.step_time for w in state.workers if math.isfinite(w.step_time)]
+    total = state.global_batch
+    return max(steps) / total if steps and total > 0 else NAN
 
 
 def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[str, float]:

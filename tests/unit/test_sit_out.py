@@ -18,7 +18,7 @@ from lightning_dynamix.distributed import (
     WeightedAllReduceState,
     report_gradient_norms,
 )
-from lightning_dynamix.loop import _PROBE_WAIT_FIRST, DecisionMaker
+from lightning_dynamix.loop import _PROBE_BUDGET, _PROBE_WAIT_FIRST, _PROBE_WAIT_MOST, DecisionMaker
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 
 ZERO_STEP_SECONDS = 0.001  # what a step costs a rank that sits it out
@@ -147,15 +147,15 @@ def test_a_rank_kept_out_is_probed_ever_less_often_and_comes_back_once_fast():
     maker = DecisionMaker(GoodputController(dead_band=0.02), "goodput", "none", "test")
     fixed, per_sample = list(STRAGGLER_FIXED), list(STRAGGLER_PER_SAMPLE)
     history = run_loop(
-        lambda state, current: maker.propose(state, current).batch_sizes, [32, 32, 32], fixed, per_sample, 80
+        lambda state, current: maker.propose(state, current).batch_sizes, [32, 32, 32], fixed, per_sample, 300
     )
     out = [k for k, sizes in enumerate(history) if sizes[2] == 0]
     probes = [k for k in range(1, len(history)) if history[k][2] > 0 and history[k - 1][2] == 0]
     assert out
-    assert len(probes) >= 2
+    assert len(probes) >= 3
     gaps = [b - a for a, b in itertools.pairwise(probes)]
     assert gaps[0] >= _PROBE_WAIT_FIRST
-    assert all(later > earlier for earlier, later in itertools.pairwise(gaps))
+    assert all(later >= earlier for earlier, later in itertools.pairwise(gaps))
     # still slow: out again within a few decisions
     assert all(any(sizes[2] == 0 for sizes in history[k + 1 : k + 5]) for k in probes if k + 5 <= len(history))
     # the straggler recovers (its neighbour left): the next probe brings it back for good
@@ -183,15 +183,37 @@ class KeepsRankTwoOut:
         pass
 
 
-def test_the_wait_before_the_next_probe_doubles_also_when_the_controller_drops_the_probe_at_once():
+def _probes_of_rank_two(fixed, per_sample, intervals):
     maker = DecisionMaker(KeepsRankTwoOut(), "stub", "none", "test")
-    history = run_loop(lambda state, current: maker.propose(state, current).batch_sizes, [24, 24, 0], *STRAGGLER, 200)
+    history = run_loop(
+        lambda state, current: maker.propose(state, current).batch_sizes, [24, 24, 0], fixed, per_sample, intervals
+    )
     probes = [k for k, sizes in enumerate(history) if sizes[2] > 0]
     assert all(history[k + 1][2] == 0 for k in probes if k + 1 < len(history))  # dropped at once
+    return history, probes
+
+
+def test_the_wait_before_the_next_cheap_probe_doubles_also_when_the_controller_drops_it_at_once():
+    # rank 2 is as fast as the others: its probe costs the job nothing, the wait doubles up to its bound
+    _, probes = _probes_of_rank_two([0.01, 0.01, 0.01], [0.001, 0.001, 0.001], 500)
     # the probe takes the place of the 8th decision at 0, then of the 16th, the 32nd...
     waits = [b - a - 1 for a, b in itertools.pairwise([0, *probes])]
-    assert waits == [_PROBE_WAIT_FIRST * 2**i - 1 for i in range(len(waits))]
-    assert len(waits) >= 3
+    assert waits == [min(_PROBE_WAIT_FIRST * 2**i, _PROBE_WAIT_MOST) - 1 for i in range(len(waits))]
+    assert len(waits) >= 5
+
+
+def test_probes_that_hold_the_job_up_wait_long_enough_to_cost_it_at_most_the_budget():
+    # the straggler's probe makes the job's step 7 times longer; after the first probe has shown that,
+    # the probes take at most _PROBE_BUDGET of the job's time
+    history, probes = _probes_of_rank_two(*STRAGGLER, 600)
+    assert len(probes) >= 3
+    assert probes[0] == _PROBE_WAIT_FIRST
+    after_first = history[probes[0] + 1 :]
+    times = [job_step_time(sizes, *STRAGGLER) for sizes in after_first]
+    normal = job_step_time((24, 24, 0), *STRAGGLER)
+    extra = sum(t - normal for t in times)
+    assert extra <= _PROBE_BUDGET * sum(times)
+    assert extra > 0.5 * _PROBE_BUDGET * sum(times)  # not much less either: the rank is still probed
 
 
 def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
