@@ -302,9 +302,8 @@ class DecisionMaker:
         self._in_for: list[int] = []
         self._probe_wait: list[int] = []
         self._probed: list[bool] = []
-        # per rank: whether the state to come measures its probe, and the wait that last probe's cost calls for;
-        # the job's time per sample in the last interval measured without a probe
-        self._measuring: list[bool] = []
+        # per rank: the wait its last probe's cost calls for; the job's time per sample in the last interval
+        # measured without a probe
         self._cost_wait: list[int] = []
         self._time_per_sample = NAN
 
@@ -395,9 +394,10 @@ class DecisionMaker:
         if len(self._out_for) != n:
             self._out_for, self._in_for = [0] * n, [0] * n
             self._probe_wait, self._probed = [_PROBE_WAIT_FIRST] * n, [False] * n
-        if len(self._measuring) != n:
-            self._measuring, self._cost_wait = [False] * n, [0] * n
-        measured = [r for r in range(n) if self._measuring[r]]
+        if len(self._cost_wait) != n:
+            self._cost_wait = [0] * n
+        # a probe given at the last decision: the rank trains, and has trained no decision since
+        measured = [r for r in range(n) if self._probed[r] and self._in_for[r] == 0 and current[r] > 0]
         if math.isfinite(time_per_sample) and time_per_sample > 0:
             if not measured:
                 self._time_per_sample = time_per_sample
@@ -405,7 +405,6 @@ class DecisionMaker:
                 extra = max(0.0, time_per_sample / self._time_per_sample - 1.0)
                 for r in measured:
                     self._cost_wait[r] = math.ceil(extra / _PROBE_BUDGET - 1e-9)
-        self._measuring = [False] * n
         total = sum(sizes)
         probe = max(1, int(_PROBE_SHARE * total / n))
         if high is not None:
@@ -435,7 +434,7 @@ class DecisionMaker:
                 sizes[donor] -= 1
                 taken += 1
             sizes[r] = taken
-            self._out_for[r], self._probed[r], self._measuring[r] = 0, taken > 0, taken > 0
+            self._out_for[r], self._probed[r] = 0, taken > 0
         return sizes
 
     def join(self, machine_ids: Sequence[str]) -> None:
@@ -487,7 +486,6 @@ class DecisionMaker:
                 "in": self._in_for,
                 "wait": self._probe_wait,
                 "probed": self._probed,
-                "measuring": self._measuring,
                 "cost_wait": self._cost_wait,
                 "time_per_sample": self._time_per_sample,
             },
@@ -505,7 +503,6 @@ class DecisionMaker:
         self._in_for = [int(v) for v in probes.get("in", [])]
         self._probe_wait = [int(v) for v in probes.get("wait", [])]
         self._probed = [bool(v) for v in probes.get("probed", [])]
-        self._measuring = [bool(v) for v in probes.get("measuring", [])]
         self._cost_wait = [int(v) for v in probes.get("cost_wait", [])]
         self._time_per_sample = float(probes.get("time_per_sample", NAN))
 

@@ -14,7 +14,8 @@ The hook is also where a rank's network is measured without extra collectives: w
 :class:`~lightning_dynamix.metrics.StepClock` in ``state.clock`` it records when each bucket is
 ready, its bytes and when its all-reduce completes; with :class:`BucketNorms` in ``state.norms``
 it records each bucket's squared norm before the all-reduce (this rank's gradient) and after it
-(the global gradient), which the gradient noise scale needs.
+(the global gradient), which the gradient noise scale needs; not in a group of one rank (a job of
+one, or one rank training while the others sit the step out), whose gradient is the global one.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at run time
@@ -78,7 +79,8 @@ def weighted_allreduce_hook(
     tensor = bucket.buffer()
     if state.weight != 1.0:
         tensor.mul_(state.weight)
-    clock, norms = state.clock, state.norms
+    clock = state.clock
+    norms = state.norms if group.size() > 1 else None  # alone: no gap between local and global to measure
     if norms is not None:
         norms.local.append(_squared_norm(tensor))
     started = clock.bucket_ready(tensor.numel() * tensor.element_size()) if clock is not None else 0.0

@@ -168,7 +168,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
         self._norm_sink: GradientNormSink | None = None
-        self._norms: BucketNorms | None = None
         # ranks that skipped optimizer steps (sat out, away from the all-reduce) and so hold stale state,
         # and whether this rank skips the step being trained
         self._stale: set[int] = set()
@@ -230,13 +229,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         norm of this rank's mean gradient over its own samples since the last synchronisation and
         the squared norm of the all-reduced mean gradient over all ranks' samples, as 0-dim tensors
         on the gradients' device, with the sample counts they are means over. Computing them costs
-        two reads of the gradients per synchronisation. A step that one rank trains while every other
-        rank sits it out is skipped: that rank's gradient is the global one, which tells the noise
-        scale nothing.
+        two reads of the gradients per synchronisation, none where a rank all-reduces alone (a job of
+        one rank, or a step one rank trains while every other rank sits it out): its gradient is the
+        global one, which says nothing of the gradient's noise.
         """
         self._norm_sink = sink
-        self._norms = BucketNorms() if sink is not None else None
-        self._hook_state.norms = self._norms
+        self._hook_state.norms = BucketNorms() if sink is not None else None
 
     def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int | None:
         """Give each rank a new batch size from an agreed step of the current epoch on.
@@ -428,8 +426,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 return self._loss_without_samples(left=self.global_rank in out)
             # the ranks that train all-reduce among themselves while others are away
             self._hook_state.process_group = training_ranks_group(sizes) if out else None
-            # a rank that trains alone holds the global gradient: its norms tell the noise scale nothing
-            self._hook_state.norms = None if len(out) == len(sizes) - 1 else self._norms
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
