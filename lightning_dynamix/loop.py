@@ -369,7 +369,8 @@ class DecisionMaker:
                 f"the controller decided batch sizes {sizes} for {len(current)} ranks; every size must lie in"
                 f" [{low}, {high if high is not None else 'no limit'}]"
             )
-        sizes = self._probe(current, sizes, low, high, _job_time_per_sample(state))
+        if getattr(self.controller, "uses_measurements", True):
+            sizes = self._probe(current, sizes, low, high, _job_time_per_sample(state))
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)

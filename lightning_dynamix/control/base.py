@@ -58,6 +58,10 @@ class BatchController(Protocol):
       from the first interval measured on the new group.
     * ``rank_speeds()``: each rank's speed as far as known (samples/s, any common scale), or ``None``:
       how a resumed job splits its global batch before anything is measured.
+
+    A controller that decides without reading the measurements sets ``uses_measurements = False``
+    (the static one): a rank it keeps at size 0 is then never probed, since nothing it measured
+    could bring the rank back, and a probe's split would simply be kept.
     """
 
     def decide(self, state: ClusterState) -> Decision: ...

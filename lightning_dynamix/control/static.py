@@ -13,8 +13,11 @@ class StaticController:
 
     ``decide`` returns the state's current per-rank sizes (samples) with an ``lr_scale`` of 1.0. It
     holds no state, so it costs nothing and resumes trivially; use it to measure what the other
-    controllers gain, or to run the heterogeneous strategy with fixed, hand-chosen sizes.
+    controllers gain, or to run the heterogeneous strategy with fixed, hand-chosen sizes. A rank
+    given 0 samples stays at 0: it reads no measurements, so a rank it keeps out is not probed.
     """
+
+    uses_measurements = False
 
     def decide(self, state: ClusterState) -> Decision:
         """The current sizes, unchanged."""

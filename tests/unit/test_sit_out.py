@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_dynamix.control import Decision, GoodputController, PIDController
+from lightning_dynamix.control import Decision, GoodputController, PIDController, StaticController
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader, final_step_sizes
 from lightning_dynamix.distributed import (
     BucketNorms,
@@ -214,6 +214,16 @@ def test_probes_that_hold_the_job_up_wait_long_enough_to_cost_it_at_most_the_bud
     extra = sum(t - normal for t in times)
     assert extra <= _PROBE_BUDGET * sum(times)
     assert extra > 0.5 * _PROBE_BUDGET * sum(times)  # not much less either: the rank is still probed
+
+
+def test_the_static_controller_keeps_a_rank_given_zero_samples_at_zero():
+    # hand-chosen sizes with a rank out: nothing the static controller measures could bring it back, so a
+    # probe would only cost the job (and its split would be kept for the rest of the run)
+    maker = DecisionMaker(StaticController(), "static", "none", "test")
+    history = run_loop(
+        lambda state, current: maker.propose(state, current).batch_sizes, [32, 32, 0], *STRAGGLER, 3 * _PROBE_WAIT_MOST
+    )
+    assert set(history) == {(32, 32, 0)}
 
 
 def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
