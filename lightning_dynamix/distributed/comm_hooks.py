@@ -14,8 +14,10 @@ The hook is also where a rank's network is measured without extra collectives: w
 :class:`~lightning_dynamix.metrics.StepClock` in ``state.clock`` it records when each bucket is
 ready, its bytes and when its all-reduce completes; with :class:`BucketNorms` in ``state.norms``
 it records each bucket's squared norm before the all-reduce (this rank's gradient) and after it
-(the global gradient), which the gradient noise scale needs; not in a group of one rank (a job of
-one, or one rank training while the others sit the step out), whose gradient is the global one.
+(the global gradient), which the gradient noise scale needs. In a group of one rank (a job of one,
+or one rank training while the others sit the step out) there is nothing to all-reduce: the hook
+returns the bucket as it is, reads no norms (its gradient is the global one) and the clock records
+a transfer of no length.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations at run time
@@ -80,7 +82,16 @@ def weighted_allreduce_hook(
     if state.weight != 1.0:
         tensor.mul_(state.weight)
     clock = state.clock
-    norms = state.norms if group.size() > 1 else None  # alone: no gap between local and global to measure
+    if group.size() == 1:
+        # alone (a job of one, or the one rank that trains while the others sit the step out): the sum is
+        # the bucket itself, and its gradient is the global one, so nothing for the noise scale either;
+        # gloo's all-reduce over one rank would still cost some 80 us a bucket
+        if clock is not None:
+            clock.bucket_done(clock.bucket_ready(tensor.numel() * tensor.element_size()))
+        alone: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        alone.set_result(tensor)
+        return alone
+    norms = state.norms
     if norms is not None:
         norms.local.append(_squared_norm(tensor))
     started = clock.bucket_ready(tensor.numel() * tensor.element_size()) if clock is not None else 0.0
