@@ -68,6 +68,13 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
         default=None,
         help="the oracle's finest move between two ranks, in samples (default: the global batch / 64, at least 1)",
     )
+    parser.add_argument(
+        "--oracle-confirm",
+        type=int,
+        default=3,
+        help="after the search, measure the splits that measured best once more, this many of them, and choose"
+        " the best mean of two (default 3; 0: the search's best single measurement)",
+    )
 
 
 def _finest(args: argparse.Namespace, world: int) -> int:
@@ -126,14 +133,18 @@ def neighbour_splits(split: tuple[int, ...], delta: int, low: int = 1) -> list[t
 
 
 def find_best_fixed_split(
-    measure: Any, global_batch: int, world: int, finest: int = 1, low: int = 1
+    measure: Any, global_batch: int, world: int, finest: int = 1, low: int = 1, confirm: int = 3
 ) -> tuple[tuple[int, ...], float, dict[tuple[int, ...], float]]:
     """Pattern search over fixed splits of ``global_batch``: from the even split, move ``delta`` samples
     between two ranks while that is faster (down to ``low`` samples on a rank), then halve ``delta``
     (a quarter of a rank's share first), down to ``finest``. ``measure(split)`` returns samples/s; each
-    split is measured once.
+    split is measured once in the search.
 
-    Returns the best split, its samples/s and every split measured.
+    The best of many noisy measurements is biased upwards: the search ends on whichever split read
+    luckiest. So the ``confirm`` splits that measured best are measured once more each, and the one
+    whose two measurements have the highest mean is chosen (``confirm=0``: the search's best as is).
+
+    Returns the chosen split, the mean of its measurements and every split's first measurement.
     """
     base, extra = divmod(global_batch, world)
     best = tuple(base + (1 if r < extra else 0) for r in range(world))
@@ -149,8 +160,14 @@ def find_best_fixed_split(
                 if measured[split] > measured[best]:
                     best, improved = split, True
         if delta <= finest:
-            return best, measured[best], measured
+            break
         delta = max(finest, delta // 2)
+    if confirm < 1:
+        return best, measured[best], measured
+    top = sorted(measured, key=lambda split: measured[split], reverse=True)[:confirm]
+    means = {split: (measured[split] + measure(split)) / 2 for split in top}
+    best = max(top, key=lambda split: means[split])
+    return best, means[best], measured
 
 
 def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
@@ -222,11 +239,25 @@ def _fixed_split_measure(config: RunConfig, after_step: int) -> Callable[[tuple[
 def _oracle(args: argparse.Namespace, measure: Callable[[tuple[int, ...]], float], low: int) -> dict[str, Any]:
     """The oracle's search for the best fixed split of the initial global batch (see :func:`find_best_fixed_split`)."""
     world = len(args.speeds)
-    best, rate, measured = find_best_fixed_split(measure, args.batch_size * world, world, _finest(args, world), low)
+    if args.oracle_confirm < 0:
+        raise SystemExit(f"--oracle-confirm must be >= 0 (0: no second measurements), got {args.oracle_confirm}")
+    calls: list[tuple[tuple[int, ...], float]] = []
+
+    def recorded(split: tuple[int, ...]) -> float:
+        value = measure(split)
+        calls.append((split, value))
+        return value
+
+    best, rate, measured = find_best_fixed_split(
+        recorded, args.batch_size * world, world, _finest(args, world), low, confirm=args.oracle_confirm
+    )
+    again = calls[len(measured) :]
     return {
         "best_split": list(best),
         "best_samples_per_second_in_search": rate,
         "measured": [{"split": list(k), "samples_per_second": v} for k, v in measured.items()],
+        # the best splits of the search measured once more: their first and second samples/s
+        "confirmed": [{"split": list(k), "samples_per_second": [measured[k], v]} for k, v in again],
     }
 
 
@@ -334,7 +365,8 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
         rounds = ", ".join(f"{v:.1f}" for v in oracle["best_samples_per_second_rounds"])
         print(
             f"\nbest fixed split {','.join(map(str, oracle['best_split']))} of {len(oracle['measured'])} measured"
-            f" ({oracle['best_samples_per_second_in_search']:.1f} samples/s in the search); run again in each round:"
+            f" ({oracle['best_samples_per_second_in_search']:.1f} samples/s in the search, the mean of its two"
+            f" measurements); run again in each round:"
             f" {rounds} samples/s"
         )
     print(f"{'controller':>10}  {'samples/s, second half (rounds)':>40}  {'of best fixed split':>19}  {'/ ideal':>7}")

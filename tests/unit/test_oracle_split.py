@@ -36,8 +36,30 @@ def test_the_search_finds_the_split_that_equalises_the_ranks_and_measures_each_s
     best, rate, measured = find_best_fixed_split(measure, 64, len(speeds))
     assert best == expected
     assert rate == pytest.approx(64 / (expected[0] / speeds[0]))
-    assert len(measure.calls) == len(set(measure.calls)) == len(measured)
+    # each split once in the search, then the three best once more
+    searched = measure.calls[:-3]
+    assert len(searched) == len(set(searched)) == len(measured)
+    assert sorted(measure.calls[-3:]) == sorted(sorted(measured, key=measured.get)[-3:])
     assert all(sum(split) == 64 and min(split) >= 1 for split in measured)
+
+
+def test_a_split_that_measured_lucky_once_is_not_chosen_over_the_best_measured_again():
+    lucky = (17, 47)  # the best split is 16:48; its neighbour reads 10% high the first time it is measured
+
+    def cluster():
+        honest = affine_cluster((1.0, 3.0))
+
+        def measure(split):
+            first = split not in honest.calls
+            return honest(split) * (1.1 if split == lucky and first else 1.0)
+
+        return measure
+
+    best, _, _ = find_best_fixed_split(cluster(), 64, 2, confirm=0)
+    assert best == lucky  # the search alone keeps the lucky reading
+    best, rate, _ = find_best_fixed_split(cluster(), 64, 2)
+    assert best == (16, 48)
+    assert rate == pytest.approx(4.0)
 
 
 def test_a_rank_whose_one_sample_outlasts_the_others_step_is_left_at_the_bound_even_below_the_finest_move():
