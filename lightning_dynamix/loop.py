@@ -202,10 +202,6 @@ class IntervalMeter:
             self.noise_scale.load_state_dict(saved)
 
 
-# controllers that read the gradient noise scale: measured by default with them
-_NOISE_SCALE_CONTROLLERS = ("goodput", "ppo")
-
-
 def build_controller(
     controller: str | BatchController,
     controller_kwargs: dict[str, Any] | None,
@@ -265,13 +261,10 @@ def check_world_size(controller: BatchController, world_size: int) -> None:
         check(world_size)
 
 
-def wants_noise_scale(controller: BatchController, name: str, lr_scaling: str) -> bool:
-    """Whether the controller or the learning-rate rule reads the gradient noise scale."""
-    return (
-        name in _NOISE_SCALE_CONTROLLERS
-        or lr_scaling == "adascale"
-        or bool(getattr(controller, "needs_gradient_noise_scale", False))
-    )
+def wants_noise_scale(controller: BatchController, lr_scaling: str) -> bool:
+    """Whether the controller (its ``needs_gradient_noise_scale``) or the learning-rate rule reads the gradient
+    noise scale: ``goodput`` and ``ppo`` where they choose the global batch, and ``adascale``."""
+    return lr_scaling == "adascale" or bool(getattr(controller, "needs_gradient_noise_scale", False))
 
 
 class DecisionMaker:

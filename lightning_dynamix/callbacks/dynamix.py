@@ -81,7 +81,7 @@ class DynamixCallback(ClusterMetricsMonitor):
             controller, controller_kwargs, min_batch_size, max_batch_size, self.lr_scaling, finetune
         )
         if gradient_noise_scale is None:
-            gradient_noise_scale = wants_noise_scale(self.controller, self.controller_name, self.lr_scaling)
+            gradient_noise_scale = wants_noise_scale(self.controller, self.lr_scaling)
         super().__init__(
             interval=interval,
             warmup_steps=warmup_steps,

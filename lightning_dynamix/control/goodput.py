@@ -28,7 +28,10 @@ Models, refitted at every decision:
 
 ``B`` is searched on a geometric grid of ``grid_points`` values between ``min_global_batch`` and
 ``max_global_batch`` (plus the current global batch). While the noise scale is unknown (NaN or
-negative: warm-up, a single rank) the global batch is kept and only its split is rebalanced.
+negative: warm-up, a single rank) the global batch is kept and only its split is rebalanced. With
+``min_global_batch == max_global_batch`` that one global batch is split, whether the noise scale is
+known or not, and the controller does not ask for it (``needs_gradient_noise_scale``): measuring it
+costs two reads of the gradients a step, which a slow rank pays slowly.
 Dead band: the best candidate replaces the current sizes only if its predicted goodput beats the
 predicted goodput of the current sizes by more than ``dead_band`` (relative), so the sizes do not
 flap on noise.
@@ -268,6 +271,12 @@ class GoodputController:
         self._base_global_batch: int | None = base_batch_size
         self._step_times = StepTimes(self.window)
 
+    @property
+    def needs_gradient_noise_scale(self) -> bool:
+        """Whether it chooses the global batch, which the noise scale's statistical efficiency decides: not when
+        ``min_global_batch == max_global_batch`` pins it (then only the split is chosen)."""
+        return self.min_global_batch is None or self.min_global_batch != self.max_global_batch
+
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes, and the learning-rate scale for their global batch (see the module docstring)."""
         current = state.batch_sizes
@@ -316,14 +325,14 @@ class GoodputController:
         """Global batch sizes to try: the current one, and a geometric grid when the noise scale is known."""
         floor = sum(lower)
         ceiling = sum(u for u in upper if u is not None) if all(u is not None for u in upper) else None
-        if not noise_known:
-            return [current_total]
         low = self.min_global_batch if self.min_global_batch is not None else base
         high = self.max_global_batch if self.max_global_batch is not None else 8 * base
         low, high = max(low, floor), max(high, floor)
         if ceiling is not None:
             low, high = min(low, ceiling), min(high, ceiling)
         high = max(high, low)
+        if not noise_known and low < high:  # a global batch pinned by its limits needs no noise scale
+            return [current_total]
         grid = {low, high, min(max(current_total, low), high)}
         ratio = high / low
         for k in range(1, self.grid_points - 1):

@@ -85,7 +85,11 @@ class PPOController:
         ValueError: for bad bounds.
     """
 
-    needs_gradient_noise_scale = True
+    @property
+    def needs_gradient_noise_scale(self) -> bool:
+        """Whether the policy chooses the global batch (from the noise scale among the rest) or is finetuned
+        (its reward counts statistical efficiency); with ``keep_global_batch`` alone it does without it."""
+        return not self.keep_global_batch or self.finetuner is not None
 
     def __init__(
         self,

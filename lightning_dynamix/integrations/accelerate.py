@@ -288,7 +288,7 @@ class DynamixAccelerate:
             )
             check_world_size(built, accelerator.num_processes)
             if gradient_noise_scale is None:
-                gradient_noise_scale = wants_noise_scale(built, name, self.lr_scaling)
+                gradient_noise_scale = wants_noise_scale(built, self.lr_scaling)
             self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
             self.maker = DecisionMaker(built, name, self.lr_scaling, "DynamixAccelerate")
             self.resume_weights = self.maker.resume_weights

@@ -629,3 +629,27 @@ def test_a_rank_under_a_cpu_quota_is_balanced_by_what_its_quota_allows_not_its_t
     controller = build()
     state = quota_state((256, 256), [1e-4, 1e-4], [0.0, 6e-5], [0.0, 0.004], [math.nan, math.nan])
     assert controller.decide(state).batch_sizes == (256, 256)
+
+
+def test_goodput_with_a_pinned_global_batch_splits_it_without_the_noise_scale_and_does_not_ask_for_it():
+    pinned = GoodputController(min_global_batch=96, max_global_batch=96)
+    assert not pinned.needs_gradient_noise_scale
+    # the noise scale unknown and the current total off the pinned one: the pinned total is split all the same
+    decision = pinned.decide(make_state([100, 20], [0.3, 0.02], comm_time=0.05))
+    assert sum(decision.batch_sizes) == 96
+    assert decision.batch_sizes[1] > decision.batch_sizes[0]
+    assert GoodputController().needs_gradient_noise_scale
+    assert GoodputController(min_global_batch=64, max_global_batch=128).needs_gradient_noise_scale
+
+
+def test_the_callback_measures_the_noise_scale_only_where_the_controller_or_the_learning_rate_rule_reads_it():
+    from lightning_dynamix import DynamixCallback
+
+    pinned = {"min_global_batch": 64, "max_global_batch": 64}
+    assert not DynamixCallback("goodput", controller_kwargs=pinned).measure_noise_scale
+    assert DynamixCallback("goodput", controller_kwargs=pinned, lr_scaling="adascale").measure_noise_scale
+    assert DynamixCallback("goodput").measure_noise_scale
+    assert not DynamixCallback("ppo", controller_kwargs={"keep_global_batch": True}).measure_noise_scale
+    assert DynamixCallback("ppo").measure_noise_scale
+    assert DynamixCallback("ppo", controller_kwargs={"keep_global_batch": True}, finetune=True).measure_noise_scale
+    assert not DynamixCallback("pid").measure_noise_scale
