@@ -39,8 +39,10 @@ def test_yaml_blocks_parse(block):
 
 
 def _anchor(heading: str) -> str:
-    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to hyphens; emphasis marks dropped,
+    a code span's text kept as it is (``min_batch_size`` keeps its underscores)."""
+    parts = re.split(r"(`[^`]*`)", heading.strip().lower())
+    text = "".join(part[1:-1] if part.startswith("`") else re.sub(r"[*_]", "", part) for part in parts)
     return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
 
 
