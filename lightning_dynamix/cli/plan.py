@@ -6,6 +6,8 @@
 ``--data`` the class path of a LightningDataModule whose first training batch is the example batch.
 The plan's table gives every layer its resource type; the all-CPU and all-GPU placements are priced
 beside it. ``--output plan.json`` writes the plan for ``LayerOffloadStrategy(offload="plan.json")``.
+``--save-profile profile.json`` writes the profile measured, and ``--profile profile.json`` plans
+from it instead of profiling again: solvers compared on one profile, a plan reproduced exactly.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from typing import Any
 from lightning_dynamix.placement import (
     CostModel,
     InfeasibleError,
+    ModelProfile,
     PlacementPlan,
     load_catalogue,
     profile_model,
     solve_dp,
     solve_greedy,
 )
+from lightning_dynamix.placement.profile import layer_names
 from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
 
 SOLVERS = ("dp", "greedy", "rl")
@@ -44,8 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler", type=Path, default=None, help="the RL scheduler file for --solver rl (default: the shipped one)"
     )
     parser.add_argument("--epochs", type=int, default=1, help="epochs the training cost is for (default 1)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed passes per layer when profiling (default 10)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed passes per layer when profiling (default 10)")
     parser.add_argument("--output", type=Path, default=None, help="write the plan here (.json or .yaml)")
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="plan from this profile (written by --save-profile) instead of profiling the model again; the model"
+        " and data are still loaded, to check the layers and count the samples",
+    )
+    parser.add_argument("--save-profile", type=Path, default=None, help="write the profile measured here (JSON)")
 
 
 def _load(class_path: str, what: str) -> Any:
@@ -76,7 +88,12 @@ def run(args: argparse.Namespace) -> None:
         data.setup("fit")
     loader = data.train_dataloader()
     batch = next(iter(loader))
-    profile = profile_model(model, batch, repeats=args.repeats)
+    if args.profile is not None:
+        profile = _saved_profile(args, model, batch)
+    else:
+        profile = profile_model(model, batch, repeats=10 if args.repeats is None else args.repeats)
+    if args.save_profile is not None:
+        profile.save(args.save_profile)
     samples = len(loader.dataset) * args.epochs  # per epoch x epochs
     cost = CostModel(profile, resources, args.throughput, training_samples=samples)
     try:
@@ -86,7 +103,10 @@ def run(args: argparse.Namespace) -> None:
             plan = solve_dp(cost) if args.solver == "dp" else solve_greedy(cost)
     except ValueError as error:  # InfeasibleError too
         raise SystemExit(f"dynamix plan: {error}") from None
-    print(f"dynamix plan: {type(model).__name__}, {len(profile.layers)} layers profiled on {list(profile.devices)}")
+    source = f"read from {args.profile}" if args.profile is not None else "profiled"
+    print(f"dynamix plan: {type(model).__name__}, {len(profile.layers)} layers {source} on {list(profile.devices)}")
+    if args.save_profile is not None:
+        print(f"profile written to {args.save_profile}")
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")
     _print_plan(plan, profile)
     print()
@@ -96,6 +116,35 @@ def run(args: argparse.Namespace) -> None:
     if args.output is not None:
         plan.save(args.output)
         print(f"\nplan written to {args.output}")
+
+
+def _saved_profile(args: argparse.Namespace, model: Any, batch: Any) -> ModelProfile:
+    """The profile of ``--profile``, checked against the model: a ``SystemExit`` saying what does not match."""
+    if args.repeats is not None:
+        raise SystemExit(
+            f"dynamix plan: --repeats {args.repeats} times a new profile, but --profile {args.profile} plans from a"
+            " saved one; give one or the other"
+        )
+    try:
+        profile = ModelProfile.load(args.profile)
+    except FileNotFoundError:
+        raise SystemExit(f"dynamix plan: --profile {args.profile} does not exist") from None
+    except (ValueError, KeyError, TypeError) as error:  # JSON errors are ValueErrors
+        raise SystemExit(
+            f"dynamix plan: --profile {args.profile} is not a profile written by --save-profile"
+            f" ({type(error).__name__}: {error})"
+        ) from None
+    expected = layer_names(model, batch)
+    saved = tuple(layer.name for layer in profile.layers)
+    if saved != expected:
+        first = next((i for i, (a, b) in enumerate(zip(saved, expected)) if a != b), min(len(saved), len(expected)))
+        raise SystemExit(
+            f"dynamix plan: --profile {args.profile} is of another model: it lists {len(saved)} layers, this"
+            f" {type(model).__name__} runs {len(expected)}, and they differ from layer {first}"
+            f" ({saved[first] if first < len(saved) else 'none'!r} in the profile,"
+            f" {expected[first] if first < len(expected) else 'none'!r} in the model)"
+        )
+    return profile
 
 
 def _print_plan(plan: PlacementPlan, profile: Any) -> None:

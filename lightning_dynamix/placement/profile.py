@@ -174,6 +174,12 @@ def profile_model(
     return ModelProfile(tuple(layers), batch_size, step)
 
 
+def layer_names(module: nn.Module, example_batch: Any, forward: Forward | None = None) -> tuple[str, ...]:
+    """The layers :func:`profile_model` would time, in execution order (one forward and backward pass, untimed):
+    what a saved profile must list to be planned for ``module``."""
+    return tuple(call.name for call in _record_calls(module, example_batch, forward or default_forward))
+
+
 def _batch_size(batch: Any) -> int:
     tensors = [t for t in _flatten(batch) if isinstance(t, Tensor) and t.dim() > 0]
     if not tensors:

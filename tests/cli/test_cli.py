@@ -318,6 +318,44 @@ def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_
     assert plan.throughput >= 2_000_000
 
 
+def _plan_failure(*args: str, cwd: Path) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd, env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_refused(tmp_path):
+    from lightning_dynamix.placement import ModelProfile, PlacementPlan
+
+    saved, first, again = tmp_path / "profile.json", tmp_path / "first.json", tmp_path / "again.json"
+    dynamix(*PLAN_ARGS, "--throughput", "2000000", "--save-profile", str(saved), "--output", str(first), cwd=tmp_path)
+    profile = ModelProfile.load(saved)
+    assert [layer.name for layer in profile.layers][:3] == ["embeddings.0", "embeddings.1", "embeddings.2"]
+    without_repeats = PLAN_ARGS[:-2]
+    printed = dynamix(
+        *without_repeats, "--throughput", "2000000", "--profile", str(saved), "--output", str(again), cwd=tmp_path
+    )
+    assert f"read from {saved}" in printed
+    a, b = PlacementPlan.load(first), PlacementPlan.load(again)
+    assert (a.assignment, a.cost_per_hour, a.throughput) == (b.assignment, b.cost_per_hour, b.throughput)
+    # a profile of another model (two tables instead of three), or one timed anew, is refused
+    other = [*without_repeats]
+    other[other.index("--data-args") + 1] = '{"num_samples": 1024, "table_sizes": [100, 2000], "batch_size": 128}'
+    error = _plan_failure(*other, "--throughput", "2000000", "--profile", str(saved), cwd=tmp_path)
+    assert f"--profile {saved} is of another model" in error
+    error = _plan_failure(*PLAN_ARGS, "--throughput", "2000000", "--profile", str(saved), cwd=tmp_path)
+    assert "--repeats 2 times a new profile" in error
+    (tmp_path / "broken.json").write_text('{"layers": []')
+    error = _plan_failure(
+        *without_repeats, "--throughput", "1", "--profile", str(tmp_path / "broken.json"), cwd=tmp_path
+    )
+    assert "is not a profile written by --save-profile" in error
+
+
 def test_plan_says_the_best_reachable_throughput_when_the_target_is_out_of_reach(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
