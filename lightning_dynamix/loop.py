@@ -363,7 +363,7 @@ class DecisionMaker:
                 f" [{low}, {high if high is not None else 'no limit'}]"
             )
         if getattr(self.controller, "uses_measurements", True):
-            sizes = self._probe(current, sizes, low, high, _job_time_per_sample(state))
+            sizes = self._probe(current, sizes, low, high, 1.0 / state.throughput)
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)
@@ -379,7 +379,7 @@ class DecisionMaker:
         wait doubles each time a probe brings it back for fewer than that many decisions (up to
         :data:`_PROBE_WAIT_MOST`), so a rank that stays slow costs the job less and less; a rank that
         trains that long again starts afresh. A probe's cost is measured, the job's time per sample
-        (``time_per_sample``, the state's) in the probe's interval over the one before, and the wait
+        (``time_per_sample``, one over the state's throughput) in the probe's interval over the one before, and the wait
         is never shorter than what keeps the probes within :data:`_PROBE_BUDGET` of the job's time:
         ``(ratio - 1) / _PROBE_BUDGET`` decisions (a probe at 14 times the job's time per sample, an
         8x straggler whose step is mostly fixed cost, waits 260 decisions).
@@ -499,13 +499,6 @@ class DecisionMaker:
         self._probed = [bool(v) for v in probes.get("probed", [])]
         self._cost_wait = [int(v) for v in probes.get("cost_wait", [])]
         self._time_per_sample = float(probes.get("time_per_sample", NAN))
-
-
-def _job_time_per_sample(state: ClusterState) -> float:
-    """The job's seconds per sample over ``state``'s interval: its slowest rank's step over the global batch."""
-    steps = [w.step_time for w in state.workers if math.isfinite(w.step_time)]
-    total = state.global_batch
-    return max(steps) / total if steps and total > 0 else NAN
 
 
 def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[str, float]:

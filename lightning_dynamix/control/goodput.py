@@ -322,7 +322,8 @@ class GoodputController:
     def _candidates(
         self, current_total: int, base: int, lower: Sequence[int], upper: Sequence[int | None], noise_known: bool
     ) -> list[int]:
-        """Global batch sizes to try: the current one, and a geometric grid when the noise scale is known."""
+        """Global batch sizes to try: the current one, and a geometric grid when the noise scale is known (or the
+        limits pin one)."""
         floor = sum(lower)
         ceiling = sum(u for u in upper if u is not None) if all(u is not None for u in upper) else None
         low = self.min_global_batch if self.min_global_batch is not None else base
