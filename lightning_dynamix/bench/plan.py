@@ -50,7 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="training runs per plan (default 2)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed passes per layer when profiling (default 20)")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed samples per copy of a layer when profiling (default 5)"
+    )
     parser.add_argument(
         "--accelerator", choices=("cpu", "gpu"), default="cpu", help="the trainer's device (default cpu)"
     )

@@ -12,6 +12,7 @@ from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
 from lightning_dynamix.bench import offload as bench_offload
 from lightning_dynamix.bench import placement as bench_placement
 from lightning_dynamix.bench import plan as bench_plan
+from lightning_dynamix.bench import replan as bench_replan
 from lightning_dynamix.cli import demo, plan, policy, report
 
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_plan.add_arguments(plan_bench)
     plan_bench.set_defaults(func=bench_plan.run)
+    replan = benchmarks.add_parser(
+        "replan", help="`dynamix plan` run again and again: does it choose the same placement each time?"
+    )
+    bench_replan.add_arguments(replan)
+    replan.set_defaults(func=bench_replan.run)
     elastic = benchmarks.add_parser(
         "elastic", help="a node preempted and back under torch elastic: work lost, recovery and time to accuracy"
     )

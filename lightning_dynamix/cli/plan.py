@@ -48,7 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler", type=Path, default=None, help="the RL scheduler file for --solver rl (default: the shipped one)"
     )
     parser.add_argument("--epochs", type=int, default=1, help="epochs the training cost is for (default 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed passes per layer when profiling (default 10)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed samples per copy of a layer when profiling (default 5; the fastest of a copy's is kept, and the"
+        " median of 5 copies')",
+    )
     parser.add_argument("--output", type=Path, default=None, help="write the plan here (.json or .yaml)")
     parser.add_argument(
         "--profile",
@@ -91,7 +97,9 @@ def run(args: argparse.Namespace) -> None:
     if args.profile is not None:
         profile = _saved_profile(args, model, batch)
     else:
-        profile = profile_model(model, batch, repeats=10 if args.repeats is None else args.repeats)
+        profile = (
+            profile_model(model, batch) if args.repeats is None else profile_model(model, batch, repeats=args.repeats)
+        )
     if args.save_profile is not None:
         profile.save(args.save_profile)
     samples = len(loader.dataset) * args.epochs  # per epoch x epochs
@@ -105,6 +113,8 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit(f"dynamix plan: {error}") from None
     source = f"read from {args.profile}" if args.profile is not None else "profiled"
     print(f"dynamix plan: {type(model).__name__}, {len(profile.layers)} layers {source} on {list(profile.devices)}")
+    for device in profile.devices:
+        print(_spread_line(profile, device))
     if args.save_profile is not None:
         print(f"profile written to {args.save_profile}")
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")
@@ -145,6 +155,19 @@ def _saved_profile(args: argparse.Namespace, model: Any, batch: Any) -> ModelPro
             f" {expected[first] if first < len(expected) else 'none'!r} in the model)"
         )
     return profile
+
+
+def _spread_line(profile: ModelProfile, device: str) -> str:
+    """How far the profile's timings on ``device`` can be trusted: the spread of its copies' timings."""
+    if not profile.layers[0].spread:
+        return f"  {device}: the profile records no spread (written before spreads were kept)"
+    widest = max(profile.layers, key=lambda layer: layer.spread[device])
+    whole = 1e3 * profile.step_seconds[device] * profile.batch_size
+    return (
+        f"  {device}: whole pass {whole:.2f} ms per batch of {profile.batch_size} (spread"
+        f" {100 * profile.step_spread[device]:.1f}%), layers' spread {100 * profile.spread(device):.1f}% weighted by"
+        f" time, widest {widest.name} {100 * widest.spread[device]:.1f}% (interquartile range over the median)"
+    )
 
 
 def _print_plan(plan: PlacementPlan, profile: Any) -> None:

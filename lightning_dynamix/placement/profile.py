@@ -7,6 +7,13 @@ holds its forward+backward seconds per sample on each device type, its parameter
 of its output per sample (what crosses to the next stage if the model is cut after it), and
 whether it is sparse (an embedding lookup) or dense.
 
+Timings are made to hold still, so that the same model profiled twice is planned the same way: every
+timed sample runs a layer enough passes to last :data:`MIN_SAMPLE_SECONDS` (a lookup of a few
+microseconds is not timed against the clock's own cost), the layers are timed in rounds, one sample of
+each layer per round (a machine that slows down for a moment slows every layer alike, not the one
+being timed), and each layer keeps the median of its samples. The spread of its samples (their
+interquartile range over the median) is kept beside it, so a plan can say how far it trusts them.
+
 Work done outside modules (``torch.cat``, a ``bmm`` written in ``forward``) belongs to no layer;
 :attr:`ModelProfile.unattributed_seconds` says how much of the whole step that is.
 """
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import statistics
 import time
 import warnings
@@ -29,6 +37,7 @@ from torch import Tensor, nn
 from lightning_dynamix._checks import require_int
 
 SPARSE_TYPES = (nn.Embedding, nn.EmbeddingBag)
+MIN_SAMPLE_SECONDS = 2e-3  # a timed sample runs a layer this long at least
 Forward = Callable[[nn.Module, Any], Tensor]
 
 
@@ -43,6 +52,8 @@ class LayerProfile:
         parameter_bytes: bytes of the layer's parameters.
         activation_bytes: bytes of the layer's output per sample.
         calls: how many times one forward pass calls it (its seconds count every call).
+        spread: per device type, the interquartile range of the timed samples over their median
+            (0.05: the middle half of the samples lie within 5% of each other); empty if unknown.
     """
 
     name: str
@@ -51,6 +62,7 @@ class LayerProfile:
     parameter_bytes: int
     activation_bytes: int
     calls: int = 1
+    spread: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,13 @@ class ModelProfile:
         layers: the layers, first executed first.
         batch_size: samples of the example batch.
         step_seconds: per device type, one whole forward+backward pass per sample, timed as a whole.
+        step_spread: per device type, the spread of the whole pass's samples (as a layer's ``spread``).
     """
 
     layers: tuple[LayerProfile, ...]
     batch_size: int
     step_seconds: Mapping[str, float] = field(default_factory=dict)
+    step_spread: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -76,15 +90,29 @@ class ModelProfile:
         """Seconds per sample of a whole pass on ``device`` that no layer accounts for (may be < 0 from noise)."""
         return self.step_seconds[device] - sum(layer.seconds[device] for layer in self.layers)
 
+    def spread(self, device: str) -> float:
+        """The spread of the layers' timings on ``device``, weighted by their seconds: how far the profile's
+        total can be trusted (0.03: the middle half of a typical layer's samples lie within 3%)."""
+        total = sum(layer.seconds[device] for layer in self.layers)
+        weighted = sum(layer.seconds[device] * layer.spread.get(device, 0.0) for layer in self.layers)
+        return weighted / total if total > 0 else 0.0
+
     def to_dict(self) -> dict[str, Any]:
-        return {"batch_size": self.batch_size, "step_seconds": dict(self.step_seconds), "layers": [
-            {**asdict(layer), "seconds": dict(layer.seconds)} for layer in self.layers
-        ]}  # fmt: skip
+        return {
+            "batch_size": self.batch_size,
+            "step_seconds": dict(self.step_seconds),
+            "step_spread": dict(self.step_spread),
+            "layers": [
+                {**asdict(layer), "seconds": dict(layer.seconds), "spread": dict(layer.spread)} for layer in self.layers
+            ],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelProfile:
         layers = tuple(LayerProfile(**layer) for layer in data["layers"])
-        return cls(layers, int(data["batch_size"]), dict(data.get("step_seconds", {})))
+        return cls(
+            layers, int(data["batch_size"]), dict(data.get("step_seconds", {})), dict(data.get("step_spread", {}))
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -128,8 +156,9 @@ def profile_model(
     example_batch: Any,
     devices: Sequence[str] | None = None,
     forward: Forward | None = None,
-    repeats: int = 10,
+    repeats: int = 5,
     warmup: int = 2,
+    copies: int = 5,
 ) -> ModelProfile:
     """Profile every layer of ``module`` on ``example_batch``, on each device type in ``devices``.
 
@@ -139,8 +168,11 @@ def profile_model(
             batch size.
         devices: device types to time on; default :func:`available_devices`.
         forward: ``forward(module, batch) -> loss``; default :func:`default_forward`.
-        repeats: timed forward+backward passes per layer and device (the median is kept).
-        warmup: untimed passes before them.
+        repeats: timed samples per copy of a layer, one per round over the layers (the fastest is kept); a
+            sample runs as many forward+backward passes as last :data:`MIN_SAMPLE_SECONDS`.
+        warmup: untimed passes of each copy of a layer before them.
+        copies: fresh copies of every layer timed in turn (the median of their fastest samples is kept):
+            where a layer's memory lies changes its speed, by 10-20% for a table of megabytes.
 
     Raises:
         ValueError: for a device type this machine does not have, a batch with no tensor, or a model
@@ -152,26 +184,37 @@ def profile_model(
             raise ValueError(f"`devices` includes {device!r}; this machine has {list(available_devices())}")
     require_int("repeats", repeats, 1)
     require_int("warmup", warmup, 0)
+    require_int("copies", copies, 1)
     forward = forward or default_forward
     batch_size = _batch_size(example_batch)
     calls = _record_calls(module, example_batch, forward)
     if not calls:
         raise ValueError(f"{type(module).__name__} called no leaf module on the example batch: nothing to profile")
+    # per device and copy: every layer's pass, and the whole step's last, timed together in rounds
+    timed = {}
+    for device in devices:
+        fastest = []
+        for _ in range(copies):
+            passes = [_layer_pass(call, device) for call in calls]
+            passes.append(_step_pass(module, example_batch, forward, device))
+            fastest.append(_fastest(passes, device, repeats, warmup))
+        timed[device] = [(statistics.median(values), _spread(values)) for values in zip(*fastest)]
     layers = []
-    for call in calls:
-        seconds = {device: call.calls * _time_layer(call, device, repeats, warmup) / batch_size for device in devices}
+    for index, call in enumerate(calls):
         layers.append(
             LayerProfile(
                 name=call.name,
                 kind="sparse" if isinstance(call.module, SPARSE_TYPES) else "dense",
-                seconds=seconds,
+                seconds={device: call.calls * timed[device][index][0] / batch_size for device in devices},
                 parameter_bytes=sum(p.numel() * p.element_size() for p in call.module.parameters()),
                 activation_bytes=call.output.numel() * call.output.element_size() // batch_size,
                 calls=call.calls,
+                spread={device: timed[device][index][1] for device in devices},
             )
         )
-    step = {d: _time_step(module, example_batch, forward, d, repeats, warmup) / batch_size for d in devices}
-    return ModelProfile(tuple(layers), batch_size, step)
+    step = {device: timed[device][-1][0] / batch_size for device in devices}
+    step_spread = {device: timed[device][-1][1] for device in devices}
+    return ModelProfile(tuple(layers), batch_size, step, step_spread)
 
 
 def layer_names(module: nn.Module, example_batch: Any, forward: Forward | None = None) -> tuple[str, ...]:
@@ -230,8 +273,13 @@ def _kept(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
 
 
-def _time_layer(call: _Call, device: str, repeats: int, warmup: int) -> float:
+def _layer_pass(call: _Call, device: str) -> Callable[[], None]:
     layer = copy.deepcopy(call.module).to(device)
+    if isinstance(layer, SPARSE_TYPES) and _sparse_gradient_allowed(layer):
+        # a table's step is its lookup and the gradient of the rows the batch touched (what an embedding
+        # server updates), not a zero-filled gradient of the whole table: that costs as much as the table
+        # is large, and its time moves by 20% from one profile to the next with where its memory lies
+        layer.sparse = True
     inputs = tuple(
         x.detach().to(device).requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in call.inputs
     )
@@ -243,31 +291,15 @@ def _time_layer(call: _Call, device: str, repeats: int, warmup: int) -> float:
             output.backward(grad)
         layer.zero_grad(set_to_none=True)
 
-    return _timed(one_pass, device, repeats, warmup)
+    return one_pass
 
 
-def _timed(one_pass: Callable[[], None], device: str, repeats: int, warmup: int) -> float:
-    """Seconds of one pass: the median of single passes on the CPU; on a GPU, the mean of ``repeats``
-    passes queued back to back (synchronising after every pass would time the launch latency of
-    small kernels, not their throughput)."""
-    for _ in range(warmup):
-        one_pass()
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            one_pass()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / repeats
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        one_pass()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _sparse_gradient_allowed(layer: nn.Module) -> bool:
+    """Whether torch computes ``layer``'s gradient as a sparse one (not with ``scale_grad_by_freq`` nor a max bag)."""
+    return not layer.scale_grad_by_freq and getattr(layer, "mode", "sum") != "max"
 
 
-def _time_step(module: nn.Module, batch: Any, forward: Forward, device: str, repeats: int, warmup: int) -> float:
+def _step_pass(module: nn.Module, batch: Any, forward: Forward, device: str) -> Callable[[], None]:
     model = copy.deepcopy(module).to(device)
     moved = _to(batch, device)
 
@@ -275,7 +307,47 @@ def _time_step(module: nn.Module, batch: Any, forward: Forward, device: str, rep
         forward(model, moved).backward()
         model.zero_grad(set_to_none=True)
 
-    return _timed(one_pass, device, repeats, warmup)
+    return one_pass
+
+
+def _fastest(passes: Sequence[Callable[[], None]], device: str, repeats: int, warmup: int) -> list[float]:
+    """Seconds of one pass of each of ``passes``: the fastest of ``repeats`` rounds of one sample of each.
+
+    A sample runs the pass back to back for :data:`MIN_SAMPLE_SECONDS` (on a GPU, queued without
+    synchronising: synchronising after every pass would time the launch latency of small kernels, not
+    their throughput) and counts its mean. The fastest sample is kept: on an idle machine, noise only
+    adds time.
+    """
+    counts = []
+    for one_pass in passes:
+        for _ in range(warmup):
+            one_pass()
+        once = _sample(one_pass, 1, device)
+        counts.append(max(1, min(10_000, math.ceil(MIN_SAMPLE_SECONDS / max(once, 1e-9)))))
+    samples: list[list[float]] = [[] for _ in passes]
+    for _ in range(repeats):
+        for one_pass, count, kept in zip(passes, counts, samples):
+            kept.append(_sample(one_pass, count, device))
+    return [min(kept) for kept in samples]
+
+
+def _sample(one_pass: Callable[[], None], count: int, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(count):
+        one_pass()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / count
+
+
+def _spread(samples: Sequence[float]) -> float:
+    """The interquartile range of ``samples`` over their median; 0 for fewer than two."""
+    if len(samples) < 2:
+        return 0.0
+    lower, _, upper = statistics.quantiles(samples, n=4, method="inclusive")
+    return (upper - lower) / statistics.median(samples)
 
 
 def _to(value: Any, device: str) -> Any:

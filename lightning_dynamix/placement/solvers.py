@@ -14,6 +14,11 @@ All three price placements with the same :class:`~lightning_dynamix.placement.co
 
 Each raises :class:`~lightning_dynamix.placement.cost.InfeasibleError`, saying the best throughput
 that can be reached, when no placement meets the target.
+
+Placements of equal cost are told apart by their throughput, the highest kept: it leaves the most room
+for the timings to be off, and it does not move with the noise of a profile the way the first feasible
+one of a row of equal placements does (which cut between two stages of equal cost still meets the
+target depends on a few percent either way).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ def cheapest_feasible(model: CostModel, assignments: Iterable[Sequence[int]], so
     best: PlacementPlan | None = None
     for assignment in assignments:
         plan = model.plan(assignment, solver=solver)
-        if plan is not None and (best is None or plan.cost_per_hour < best.cost_per_hour):
+        if plan is not None and (best is None or _rank(plan.cost_per_hour, plan.throughput) < _rank(
+            best.cost_per_hour, best.throughput
+        )):  # fmt: skip
             best = plan
     if best is None:
         raise _infeasible(model)
@@ -114,8 +121,9 @@ def _infeasible(model: CostModel) -> InfeasibleError:
 def _relaxed_dp(model: CostModel) -> PlacementPlan | None:
     n, types = model.num_layers, len(model.resources)
     inf = math.inf
-    # best[j][k]: cheapest placement of layers 0..j whose last stage, on type k, ends at j
-    best = [[inf] * types for _ in range(n)]
+    # best[j][k]: cheapest placement of layers 0..j whose last stage, on type k, ends at j, as
+    # (cost, -throughput): of equal costs the fastest
+    best = [[(inf, 0.0)] * types for _ in range(n)]
     back: list[list[tuple[int, Stage] | None]] = [[None] * types for _ in range(n)]
     for j in range(n):
         for k in range(types):
@@ -124,20 +132,20 @@ def _relaxed_dp(model: CostModel) -> PlacementPlan | None:
                 if stage is None:
                     continue
                 if i == 0:
-                    before, previous = 0.0, -1
+                    before, previous = (0.0, -inf), -1
                 else:
-                    before, previous = inf, -1
+                    before, previous = (inf, 0.0), -1
                     for kk in range(types):
                         if kk != k and best[i - 1][kk] < before:
                             before, previous = best[i - 1][kk], kk
                     if previous < 0:
                         continue
-                total = before + stage.cost_per_hour
+                total = _rank(before[0] + stage.cost_per_hour, min(-before[1], stage.throughput))
                 if total < best[j][k]:
                     best[j][k] = total
                     back[j][k] = (previous, stage)
     last = min(range(types), key=lambda k: best[n - 1][k])
-    if best[n - 1][last] == inf:
+    if best[n - 1][last][0] == inf:
         return None
     stages, j, k = [], n - 1, last
     while j >= 0:
@@ -174,7 +182,14 @@ def _pareto_dp(model: CostModel) -> PlacementPlan | None:
     finals = [entry for k in range(types) for entry in front[n - 1][k]]
     if not finals:
         return None
-    return model.plan_of_stages(min(finals, key=lambda e: e[0])[2], solver="dp")
+    cheapest = min(finals, key=lambda e: _rank(e[0], min(stage.throughput for stage in e[2])))
+    return model.plan_of_stages(cheapest[2], solver="dp")
+
+
+def _rank(cost_per_hour: float, throughput: float) -> tuple[float, float]:
+    """How placements are ordered: by cost (to a billionth, so that sums in another order tie), then the
+    fastest first."""
+    return (round(cost_per_hour, 9), -throughput)
 
 
 def _non_dominated(

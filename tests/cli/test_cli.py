@@ -332,9 +332,13 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
     from lightning_dynamix.placement import ModelProfile, PlacementPlan
 
     saved, first, again = tmp_path / "profile.json", tmp_path / "first.json", tmp_path / "again.json"
-    dynamix(*PLAN_ARGS, "--throughput", "2000000", "--save-profile", str(saved), "--output", str(first), cwd=tmp_path)
+    printed = dynamix(
+        *PLAN_ARGS, "--throughput", "2000000", "--save-profile", str(saved), "--output", str(first), cwd=tmp_path
+    )
+    assert "layers' spread" in printed  # how far the timings can be trusted
     profile = ModelProfile.load(saved)
     assert [layer.name for layer in profile.layers][:3] == ["embeddings.0", "embeddings.1", "embeddings.2"]
+    assert all(set(layer.spread) == {"cpu"} for layer in profile.layers)
     without_repeats = PLAN_ARGS[:-2]
     printed = dynamix(
         *without_repeats, "--throughput", "2000000", "--profile", str(saved), "--output", str(again), cwd=tmp_path
@@ -354,6 +358,19 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
         *without_repeats, "--throughput", "1", "--profile", str(tmp_path / "broken.json"), cwd=tmp_path
     )
     assert "is not a profile written by --save-profile" in error
+
+
+def test_bench_replan_counts_the_placements_fresh_profiles_choose(tmp_path):
+    out = tmp_path / "replan.json"
+    dynamix("bench", "replan", "--runs", "2", "--throughput", "300000,2e6", "--output", str(out), cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert len(result["profiles"]) == 2
+    for target in ("300000", "2e+06"):
+        row = result["targets"][target]
+        assert sum(placement["runs"] for placement in row["placements"]) == 2
+        assert row["distinct_placements"] == len(row["placements"])
+    with pytest.raises(AssertionError, match="--throughput must be positive"):
+        dynamix("bench", "replan", "--throughput", "-5", cwd=tmp_path)
 
 
 def test_plan_says_the_best_reachable_throughput_when_the_target_is_out_of_reach(tmp_path):

@@ -21,7 +21,7 @@ def dlrm_batch(size: int = 64):
 def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(tmp_path):
     model = DLRM(table_sizes=TABLES, embedding_dim=16, bottom_mlp=(32,), top_mlp=(16,))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    profile = profile_model(model, dlrm_batch(), repeats=2, warmup=0)
+    profile = profile_model(model, dlrm_batch(), repeats=2, warmup=0, copies=2)
     names = [layer.name for layer in profile.layers]
     assert names == [
         "embeddings.0", "embeddings.1", "embeddings.2",
@@ -41,9 +41,29 @@ def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(
     assert all(layer.seconds["cpu"] > 0 for layer in profile.layers)
     assert profile.batch_size == 64
     assert profile.step_seconds["cpu"] > 0
+    # how far apart the copies' timings were, kept beside them
+    assert all(set(layer.spread) == {"cpu"} and layer.spread["cpu"] >= 0 for layer in profile.layers)
+    assert set(profile.step_spread) == {"cpu"}
+    assert profile.spread("cpu") >= 0
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # timed on copies
     profile.save(tmp_path / "profile.json")
     assert ModelProfile.load(tmp_path / "profile.json") == profile
+
+
+def test_a_table_is_timed_by_the_rows_a_batch_touches_not_by_its_size():
+    # the gradient of the rows looked up, as an embedding server applies it: not a zero-filled gradient
+    # the size of the table (64 MiB here, some 50 times the lookup's time on this VM)
+    class Table(nn.Module):
+        def __init__(self, rows):
+            super().__init__()
+            self.table = nn.Embedding(rows, 16)
+
+        def forward(self, ids):
+            return self.table(ids)
+
+    ids = torch.randint(0, 1000, (512,))
+    small, large = (profile_model(Table(rows), ids, copies=1).layers[0].seconds["cpu"] for rows in (1000, 2**20))
+    assert large < 5 * small
 
 
 def test_a_layer_called_twice_counts_both_calls():
