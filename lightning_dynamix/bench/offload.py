@@ -32,9 +32,20 @@ from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)
-# (name, servers, staleness); servers 0: the tables in the trainer, plain Lightning
-SETUPS = [("in-process", 0, 0), ("1 server", 1, 0), ("1 server, staleness 1", 1, 1), ("2 servers", 2, 0)]
-SETUPS.append(("2 servers, staleness 1", 2, 1))
+# (name, servers, staleness, prefetch depth); servers 0: the tables in the trainer, plain Lightning.
+# Depth 1 reads a batch ahead and overlaps its lookup with the step before (pipelined); 0 looks a step
+# up when it starts.
+SETUPS = [("in-process", 0, 0, 0)] + [
+    (
+        f"{servers} server{'s' if servers > 1 else ''}{', staleness 1' if staleness else ''}{suffix}",
+        servers,
+        staleness,
+        depth,
+    )
+    for servers in (1, 2)
+    for staleness in (0, 1)
+    for depth, suffix in ((0, ", not pipelined"), (1, ""))
+]
 _JOB_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
@@ -60,10 +71,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-servers", type=int, default=0, help=argparse.SUPPRESS)
 
 
-def _trainer(servers: int, staleness: int, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
+def _trainer(
+    servers: int, staleness: int, steps: int, callbacks: list[Any], accelerator: str = "cpu", depth: int | None = None
+) -> Trainer:
     strategy: Any = "auto"
     if servers:
-        strategy = LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, return_embeddings=False)
+        strategy = LayerOffloadStrategy(
+            num_embedding_servers=servers, staleness=staleness, return_embeddings=False, prefetch_depth=depth
+        )
     return timed_trainer(strategy, steps, callbacks, accelerator)
 
 
@@ -85,15 +100,15 @@ def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: 
 
 
 def _speed(args: argparse.Namespace) -> dict[str, Any]:
-    steps: dict[str, list[float]] = {name: [] for name, _, _ in SETUPS}
+    steps: dict[str, list[float]] = {name: [] for name, *_ in SETUPS}
     samples = args.batch_size * (args.steps + args.warmup + 1)
     for round_index in range(args.rounds):
         order = SETUPS if round_index % 2 == 0 else SETUPS[::-1]
-        for name, servers, staleness in order:
+        for name, servers, staleness, depth in order:
             data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
             model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)
             timer = StepTimer(warmup=args.warmup)
-            trainer = _trainer(servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator)
+            trainer = _trainer(servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator, depth)
             trainer.fit(model, datamodule=data)
             steps[name].append(timer.timings[0].median_step_seconds)
             print(f"round {round_index} {name:>24}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)

@@ -43,6 +43,15 @@ class _Lookup:
     rows: Tensor  # the leaf the batch's embeddings are computed from
 
 
+@dataclass
+class _Prefetch:
+    """Tables' rows asked for one step (or for evaluation), arriving as ``rows``, ``{table: rows}``."""
+
+    ids: dict[str, Tensor]
+    routes: dict[str, Route]
+    rows: torch.futures.Future
+
+
 class EmbeddingClient:
     """One trainer rank's connection to the embedding servers of a job.
 
@@ -59,9 +68,10 @@ class EmbeddingClient:
         self.step = 0  # the training step lookups are for; advanced by every push
         self._recorded: list[_Lookup] = []
         self._pushes: list[tuple[int, torch.futures.Future]] = []
-        self._prefetched: dict[str, tuple[Tensor, Tensor, Route, int | None]] = {}  # table -> ids, rows, route, step
+        self._prefetched: dict[int | None, _Prefetch] = {}  # by the step they are for (None: evaluation)
         self.lookup_requests = 0  # lookup requests sent to the servers, one per server per lookup or prefetch
         self.prefetch_misses = 0  # lookups whose ids differed from the ids prefetched for their table
+        self.prefetches_ahead = 0  # prefetches for a later step than the current one (pipelined lookups)
         self.closed = False
 
     def close(self) -> None:
@@ -130,40 +140,59 @@ class EmbeddingClient:
 
     # the step protocol -------------------------------------------------------------------------------
 
-    def prefetch(self, lookups: dict[str, tuple[RowSharding, int, Tensor]], training: bool) -> None:
+    def prefetch(self, lookups: dict[str, tuple[RowSharding, int, Tensor]], training: bool, ahead: int = 0) -> None:
         """Look up several tables' ids at once: one request per server instead of one per table and server.
 
         ``lookups`` maps a table to its sharding, row length and the ids the model will pass it. The
         rows are kept until the table's own lookup (:meth:`fetch`) asks for the same ids, which then
         sends nothing; a lookup with other ids is sent as usual, so a wrong prefetch costs time only.
+        The requests go out at once and the answer is awaited only by that lookup, so a prefetch for a
+        step ``ahead`` steps after the current one (a batch read ahead) overlaps the steps before it.
         """
-        self._prefetched.clear()
-        step = self.step if training else None
+        step = self.step + ahead if training else None
+        self.prefetches_ahead += bool(ahead and training)
         routes = {table: route(ids.detach().cpu(), sharding, table) for table, (sharding, _, ids) in lookups.items()}
+        dims = {table: dim for table, (_, dim, _) in lookups.items()}
         futures = {}
         for server in range(self.num_servers):
             request = {table: plan.shard_rows[server] for table, plan in routes.items() if len(plan.shard_rows[server])}
             if request:
                 futures[server] = self._call(server, remote.remote_lookup_many, step, request)
                 self.lookup_requests += 1
-        answers = {server: self._wait(server, remote.remote_lookup_many, future) for server, future in futures.items()}
-        for table, plan in routes.items():
-            _, dim, ids = lookups[table]
-            values = [
-                answers[server][table] if len(plan.shard_rows[server]) else torch.empty((0, dim), dtype=torch.float32)
-                for server in range(self.num_servers)
-            ]
-            self._prefetched[table] = (ids, plan.assemble(values).to(ids.device), plan, step)
+
+        def assemble(_: torch.futures.Future) -> dict[str, Tensor]:
+            answers = {server: self._wait(server, remote.remote_lookup_many, f) for server, f in futures.items()}
+            empty = {table: torch.empty((0, dim), dtype=torch.float32) for table, dim in dims.items()}
+            return {
+                table: plan.assemble([answers[s][table] if table in answers.get(s, {}) else empty[table]
+                                      for s in range(self.num_servers)])
+                for table, plan in routes.items()
+            }  # fmt: skip
+
+        rows = torch.futures.collect_all(list(futures.values())).then(assemble)
+        self._prefetched[step] = _Prefetch({table: ids for table, (_, _, ids) in lookups.items()}, routes, rows)
+
+    def has_prefetch(self, training: bool) -> bool:
+        """Whether rows were prefetched for the current step (or, ``training=False``, for evaluation)."""
+        return (self.step if training else None) in self._prefetched
 
     def _take_prefetched(self, table: str, ids: Tensor, step: int | None) -> tuple[Tensor, Route] | None:
-        if table not in self._prefetched:
+        entry = self._prefetched.get(step)
+        if entry is None or table not in entry.ids:
             return None
-        expected, rows, plan, for_step = self._prefetched.pop(table)
-        same = expected.shape == ids.shape and expected.device == ids.device and torch.equal(expected, ids)
-        if not same or for_step != step:
+        expected, plan = entry.ids.pop(table), entry.routes[table]
+        if not entry.ids:
+            del self._prefetched[step]
+        if expected.device != ids.device:
+            expected = expected.to(ids.device, non_blocking=True)
+        if expected.shape != ids.shape or not torch.equal(expected, ids):
             self.prefetch_misses += 1
             return None
-        return rows, plan
+        try:
+            rows = entry.rows.wait()[table]
+        except RuntimeError as error:
+            raise self._error(0, remote.remote_lookup_many, error) from error
+        return rows.to(ids.device), plan
 
     def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
         """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.
@@ -199,7 +228,8 @@ class EmbeddingClient:
     def push(self) -> bool:
         """Send this step's row gradients to the servers (without waiting); False when there were none."""
         self._check_pushes()
-        self._prefetched.clear()  # rows prefetched for this step and never looked up
+        for step in [s for s in self._prefetched if s is None or s <= self.step]:
+            del self._prefetched[step]  # rows prefetched for this step (or evaluation) and never looked up
         if not self._recorded:
             return False
         per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]

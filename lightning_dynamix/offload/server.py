@@ -9,8 +9,13 @@ optimiser applied once per table.
 ``staleness`` bounds how old the rows a lookup sees may be, as in PERSIA, and makes it exact, so
 a run is reproducible: a lookup for step ``k`` sees the table after update ``k - 1 - staleness``
 and no later one. With ``staleness=0`` training is synchronous: equal to one process. With
-``staleness=1`` a lookup for step ``k + 1`` is answered before update ``k`` is applied, so the
-update overlaps the trainers' next step instead of delaying it.
+``staleness=1`` a lookup for step ``k + 1`` needs only update ``k - 1``, so it is answered while
+update ``k`` is still on its way: the update overlaps the trainers' next step instead of delaying it.
+
+An update is applied as soon as every trainer has pushed it. A lookup that asks for an older
+version of the table (staleness 1 and up, or a trainer that looks up a step ahead) is answered from
+the current rows with the updates since rolled back: each update keeps the values it overwrote,
+for as long as a lookup may still ask for the table before it (``staleness + 1`` updates at most).
 
 :class:`EmbeddingServer` is the state and the protocol, thread-safe and free of any transport: the
 functions at the bottom expose the one instance of a server process to ``torch.distributed.rpc``
@@ -89,7 +94,8 @@ class EmbeddingServer:
         self.applied = -1  # the last update applied
         self._pushes: dict[int, dict[int, Push]] = {}  # step -> trainer -> push
         self._pushed = [-1] * self.num_trainers  # the last step each trainer pushed
-        self._forced = -1  # updates up to this one are applied regardless of staleness (a flush)
+        # update -> table -> (its rows, ascending; their values before it), while a lookup may need them
+        self._overwritten: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: list[tuple[int, Future, str, torch.Tensor]] = []
         self._flushes: list[tuple[int, Future]] = []
 
@@ -116,12 +122,27 @@ class EmbeddingServer:
         """
         future: Future = Future()
         with self._lock:
-            shard = self._table(table)
+            self._table(table)
             if step is None or self._lookup_ready(step):
-                future.set_result(shard.lookup(rows))
+                future.set_result(self._values(table, step, rows))
             else:
                 self._lookups.append((step, future, table, rows))
         return future
+
+    def _values(self, table: str, step: int | None, rows: torch.Tensor) -> torch.Tensor:
+        """Local ``rows`` of ``table`` as lookup ``step`` sees them: the current ones, updates after its
+        version rolled back (newest first, so the oldest's values are the ones left)."""
+        values = self.tables[table].lookup(rows)
+        if step is None:
+            return values
+        for update in range(self.applied, max(step - 1 - self.staleness, -1), -1):
+            changed, before = self._overwritten[update].get(table, (None, None))
+            if changed is None or not len(changed) or not len(rows):
+                continue
+            where = torch.searchsorted(changed, rows).clamp_(max=len(changed) - 1)
+            hit = changed[where] == rows
+            values[hit] = before[where[hit]]
+        return values
 
     def lookup_many(self, step: int | None, requests: dict[str, torch.Tensor]) -> Future:
         """:meth:`lookup` of several tables' local rows at once: one answer, ``{table: values}``."""
@@ -157,7 +178,6 @@ class EmbeddingServer:
         future: Future = Future()
         with self._lock:
             self.last_request = time.monotonic()
-            self._forced = max(self._forced, step)
             self._flushes.append((step, future))
             self._advance()
         return future
@@ -165,20 +185,16 @@ class EmbeddingServer:
     def _lookup_ready(self, step: int) -> bool:
         return self.applied >= step - 1 - self.staleness
 
-    def _can_apply(self, step: int) -> bool:
-        pushed_all = min(self._pushed)
-        if pushed_all < step:
-            return False
-        # update `step` must wait for every lookup of step + staleness, which precede that step's push
-        return pushed_all >= step + self.staleness or self._forced >= step
-
     def _advance(self) -> None:
-        while self._can_apply(self.applied + 1):
+        while min(self._pushed) > self.applied:
             self._apply(self.applied + 1)
+        # a trainer that pushed step p looks up steps after p only, which see update p - staleness and later
+        for update in [u for u in self._overwritten if u <= min(self._pushed) - self.staleness]:
+            del self._overwritten[update]
         waiting = []
         for step, future, table, rows in self._lookups:
             if self._lookup_ready(step):
-                future.set_result(self.tables[table].lookup(rows))
+                future.set_result(self._values(table, step, rows))
             else:
                 waiting.append((step, future, table, rows))
         self._lookups = waiting
@@ -199,6 +215,8 @@ class EmbeddingServer:
             grads = torch.cat([push[name][1] for push in ordered if name in push])
             unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
             summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
+            if self.staleness:  # a lookup may still ask for the table before this update
+                self._overwritten.setdefault(step, {})[name] = (unique, shard.lookup(unique))
             # each trainer's gradient is of its own mean loss; DDP averages the dense ones likewise
             shard.update(unique, summed / self.num_trainers)
         self.applied = step

@@ -22,6 +22,12 @@ Lookups: each table's forward sends one request per server. A LightningModule th
 ``embedding_ids(batch) -> {table name: ids}`` lets the strategy look every table up before the step
 in one request per server (:meth:`EmbeddingClient.prefetch`); the tables' forwards then use those
 rows. Ids that differ from what a table's forward receives cost a request, never a wrong row.
+
+Pipelined lookups: with ``prefetch_depth=1`` (the default where it applies) the training DataLoader
+is read one batch ahead, and the rows of step ``t + 1`` are asked for while step ``t`` runs. The
+servers answer them with the version of the tables that step must see (after update ``t`` with
+``staleness=0``, so training stays exact; after update ``t - 1`` with ``staleness=1``, which they
+have at once), and the rows are assembled as they arrive, beside the trainer's compute.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +49,7 @@ import torch.distributed.rpc as rpc
 import torch.distributed.rpc.api as rpc_api
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.optim import Optimizer
@@ -86,6 +93,11 @@ class LayerOffloadStrategy(DDPStrategy):
         return_embeddings: at the end of ``fit``, copy the trained tables back into the
             LightningModule's embedding modules on every trainer; set False for tables too large for a
             trainer (the checkpoint holds them).
+        prefetch_depth: training batches read ahead, whose rows are asked for while the steps before
+            them run (their lookups then overlap the trainer's compute). Needs the LightningModule's
+            ``embedding_ids``, and a DataLoader that keeps no state of what it handed out (a stateful
+            loader, or the heterogeneous one of ``DynamixCallback``, would count the batch read ahead as
+            trained). 0 looks each step up when it starts. None (default): 1 where both hold, else 0.
         **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout`` also bounds every wait for a server).
     """
 
@@ -101,6 +113,7 @@ class LayerOffloadStrategy(DDPStrategy):
         launch_servers: bool = True,
         server_port: int | None = None,
         return_embeddings: bool = True,
+        prefetch_depth: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -135,6 +148,7 @@ class LayerOffloadStrategy(DDPStrategy):
             )
         self.server_port = server_port
         self.return_embeddings = bool(return_embeddings)
+        self.prefetch_depth = None if prefetch_depth is None else require_int("prefetch_depth", prefetch_depth, 0)
         self._client: EmbeddingClient | None = None
         self._servers: list[subprocess.Popen] = []
         self._offloaded: dict[str, nn.Module] = {}  # the LightningModule's own embedding modules, set aside
@@ -293,8 +307,45 @@ class LayerOffloadStrategy(DDPStrategy):
         return output
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        depth = self._read_ahead_depth(dataloader)
+        return _ReadAhead(dataloader, depth, self) if depth else dataloader
+
+    def _read_ahead_depth(self, dataloader: object) -> int:
+        """How many batches of ``dataloader`` to read ahead: ``prefetch_depth``, checked, or what applies."""
+        module = self.lightning_module
+        trainer = module.trainer if module is not None else None
+        if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.prefetch_depth == 0:
+            return 0
+        reasons = []
+        if not hasattr(module, "embedding_ids"):
+            reasons.append(f"{type(module).__name__} defines no `embedding_ids(batch)` naming the ids of a batch")
+        counted = dataloader if hasattr(dataloader, "state_dict") else getattr(dataloader, "batch_sampler", None)
+        if hasattr(counted, "state_dict") and hasattr(counted, "load_state_dict"):
+            reasons.append(
+                f"the training dataloader's {type(counted).__name__} keeps a state of the batches it handed out, which"
+                " would count a batch read ahead as trained"
+            )
+        if not reasons:
+            return 1 if self.prefetch_depth is None else self.prefetch_depth
+        if self.prefetch_depth is not None:
+            raise MisconfigurationException(
+                f"`prefetch_depth={self.prefetch_depth}` reads training batches ahead, and cannot here: "
+                + "; ".join(reasons)
+                + ". Set prefetch_depth=0 (or leave it unset) to look each step up when it starts."
+            )
+        return 0
+
+    def _read(self, batch: Any, ahead: int) -> None:
+        """A training batch read ``ahead`` steps before its own: ask for its rows now."""
+        if self._client is not None and self._remote and next(iter(self._remote.values())).training:
+            self._prefetch_batch(batch, ahead)
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._prefetch(args, kwargs)
+        if self._client is None or not self._client.has_prefetch(training=True):
+            self._prefetch(args, kwargs)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -314,11 +365,13 @@ class LayerOffloadStrategy(DDPStrategy):
 
     def _prefetch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Look up every table the module's ``embedding_ids(batch)`` names, one request per server."""
+        self._prefetch_batch(args[0] if args else kwargs.get("batch"), 0)
+
+    def _prefetch_batch(self, batch: Any, ahead: int) -> None:
         module = self.lightning_module
         hook = getattr(module, "embedding_ids", None)
         if hook is None or self._client is None:
             return
-        batch = args[0] if args else kwargs.get("batch")
         ids = hook(batch)
         if not isinstance(ids, Mapping):
             raise TypeError(
@@ -342,7 +395,7 @@ class LayerOffloadStrategy(DDPStrategy):
                 )
             lookups[name] = (table.sharding, table.embedding_dim, value)
         if lookups:
-            self._client.prefetch(lookups, training=next(iter(self._remote.values())).training)
+            self._client.prefetch(lookups, training=next(iter(self._remote.values())).training, ahead=ahead)
 
     @override
     def on_validation_start(self) -> None:
@@ -484,6 +537,30 @@ class LayerOffloadStrategy(DDPStrategy):
             cls,
             description="DDP for the dense layers with the embedding tables on CPU embedding servers",
         )
+
+
+class _ReadAhead:
+    """A training DataLoader read ``depth`` batches ahead: each batch, as it is read, is handed to the
+    strategy, which asks the servers for its rows ``ahead`` steps before it is trained on."""
+
+    def __init__(self, dataloader: Any, depth: int, strategy: LayerOffloadStrategy) -> None:
+        self.dataloader, self.depth, self.strategy = dataloader, depth, strategy
+
+    def __iter__(self) -> Iterator[Any]:
+        read: deque[Any] = deque()
+        for batch in self.dataloader:
+            self.strategy._read(batch, len(read))
+            read.append(batch)
+            if len(read) > self.depth:
+                yield read.popleft()
+        while read:
+            yield read.popleft()
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, dataset, batch_size, ... as Lightning reads them
+        return getattr(self.dataloader, name)
 
 
 _RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")

@@ -9,6 +9,7 @@ killed server makes the job fail with an error naming it, and leaves no process 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -36,7 +37,8 @@ def job():
 @pytest.fixture(scope="module")
 def one_trainer(tmp_path_factory):
     out = tmp_path_factory.mktemp("offload-1-trainer")
-    run_job("offload_job.py", 1, out, "sgd-2-0", "adagrad-2-0", "adagrad-2-1", "resume-adagrad-2-3", cwd=out)
+    scenarios = ["sgd-2-0", "adagrad-2-0", "adagrad-2-0-0", "adagrad-2-1", "resume-adagrad-2-3"]
+    run_job("offload_job.py", 1, out, *scenarios, cwd=out)
     return out
 
 
@@ -87,17 +89,36 @@ def test_reference_moves_every_table(job):
         assert (trained[f"embeddings.{i}.weight"] - start[f"embeddings.{i}.weight"]).abs().max() > 100 * TOLERANCE
 
 
+def assert_pipelined(job, out: Path, scenario: str, ranks: int) -> None:
+    """Every step's rows were asked for while the step before it ran, and none was looked up again."""
+    for rank in range(ranks):
+        counts = json.loads((out / f"{scenario}-rank{rank}.json").read_text())
+        assert counts["ahead"] == (job.STEPS_PER_EPOCH - 1) * job.EPOCHS, counts  # all but each epoch's first
+        assert counts["misses"] == 0, counts
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_one_trainer_two_servers_equals_one_process(one_trainer, job, optimizer):
+def test_one_trainer_two_servers_with_pipelined_lookups_equals_one_process(one_trainer, job, optimizer):
     assert_same(torch.load(one_trainer / f"{optimizer}-2-0.pt"), reference(job, optimizer, 1))
+    assert_pipelined(job, one_trainer, f"{optimizer}-2-0", 1)
+
+
+def test_lookups_when_each_step_starts_equal_one_process_too(one_trainer, job):
+    assert_same(torch.load(one_trainer / "adagrad-2-0-0.pt"), reference(job, "adagrad", 1))
+    counts = json.loads((one_trainer / "adagrad-2-0-0-rank0.json").read_text())
+    assert counts["ahead"] == 0, counts  # prefetch_depth=0: nothing read ahead
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
-def test_two_trainers_one_server_equals_one_process(two_trainers, job, optimizer):
+def test_two_trainers_one_server_with_pipelined_lookups_equals_one_process(two_trainers, job, optimizer):
     assert_same(torch.load(two_trainers / f"{optimizer}-1-0.pt"), reference(job, optimizer, 2))
+    assert_pipelined(job, two_trainers, f"{optimizer}-1-0", 2)
 
 
 def test_staleness_one_reads_tables_one_update_behind(one_trainer, job):
+    # pipelined: each step's rows are asked for while the step before runs, and answered from the tables
+    # with the update since rolled back
+    assert_pipelined(job, one_trainer, "adagrad-2-1", 1)
     result = torch.load(one_trainer / "adagrad-2-1.pt")
     assert_same(result, reference(job, "adagrad", 1, staleness=1))
     with pytest.raises(AssertionError):  # and that differs from synchronous training

@@ -21,6 +21,7 @@ from lightning_dynamix.strategies import LayerOffloadStrategy
         ({"sparse_optimizer": "sgd", "sparse_optimizer_args": {"momentum": 0.9}}, "bad arguments"),
         ({"sparse_optimizer_args": {"lr": 0.1}}, "without a `sparse_optimizer`"),
         ({"staleness": -1}, "`staleness` must be an int >= 0, got -1"),
+        ({"prefetch_depth": -1}, "`prefetch_depth` must be an int >= 0, got -1"),
         ({"offload": "embeddings"}, "`offload` must be 'auto' or a non-empty list"),
         ({"offload": []}, "`offload` must be 'auto' or a non-empty list"),
         ({"offload": ["a", "a"]}, "distinct module names"),
@@ -65,7 +66,7 @@ class Model(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(model: LightningModule, **kwargs) -> None:
+def fit(model: LightningModule, loader: DataLoader | None = None, **kwargs) -> None:
     trainer = Trainer(
         strategy=LayerOffloadStrategy(**kwargs),
         accelerator="cpu",
@@ -76,7 +77,7 @@ def fit(model: LightningModule, **kwargs) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+    trainer.fit(model, loader or DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
 
 
 @pytest.mark.parametrize(
@@ -91,6 +92,29 @@ def fit(model: LightningModule, **kwargs) -> None:
 def test_models_that_cannot_be_offloaded_are_refused_before_any_server_starts(model, kwargs, message):
     with pytest.raises(MisconfigurationException, match=message.replace("[", r"\[").replace("]", r"\]")):
         fit(model, **kwargs)
+
+
+def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default():
+    # no embedding_ids: the strategy cannot know a batch's ids before its forward
+    with pytest.raises(MisconfigurationException, match=r"`prefetch_depth=1` .* Model defines no `embedding_ids"):
+        fit(Model(), prefetch_depth=1)
+    fit(Model())  # unset: each step is looked up when it starts
+
+    class WithIds(Model):
+        def embedding_ids(self, batch):
+            return {"table": batch[0]}
+
+    class CountingSampler(torch.utils.data.BatchSampler):  # keeps a state of what it handed out
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    sampler = CountingSampler(torch.utils.data.SequentialSampler(range(10)), 5, drop_last=False)
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=sampler)
+    with pytest.raises(MisconfigurationException, match=r"CountingSampler keeps a state of the batches it handed"):
+        fit(WithIds(), loader, prefetch_depth=1)
 
 
 def test_a_model_without_embeddings_is_refused():

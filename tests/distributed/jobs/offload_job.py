@@ -14,6 +14,7 @@ must fail (with the server pids in ``OUT/kill-pids.txt``).
 from __future__ import annotations
 
 import importlib.util
+import json
 import signal
 import sys
 from pathlib import Path
@@ -78,6 +79,18 @@ class KillServer(Callback):
             servers[1].wait()
 
 
+class LookupCounts(Callback):
+    """What the trainer's lookups did: prefetches for later steps (pipelined), misses, requests."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        client = trainer.strategy.client
+        self.counts = {
+            "ahead": client.prefetches_ahead,
+            "misses": client.prefetch_misses,
+            "requests": client.lookup_requests,
+        }
+
+
 def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int, out: Path, **kwargs):
     callbacks = kwargs.pop("callbacks", [])
     ckpt_path = kwargs.pop("ckpt_path", None)
@@ -116,9 +129,14 @@ def main() -> None:
             fit(trainers, optimizer, int(old), 0, 1, out, callbacks=[ModelCheckpoint(checkpoints, save_top_k=-1)])
             (ckpt,) = checkpoints.glob("*.ckpt")
             trainer, model = fit(trainers, optimizer, int(new), 0, EPOCHS, out, ckpt_path=ckpt)
-        else:
-            optimizer, servers, staleness = scenario.split("-")
-            trainer, model = fit(trainers, optimizer, int(servers), int(staleness), EPOCHS, out)
+        else:  # optimizer-servers-staleness[-depth]
+            optimizer, servers, staleness, *depth = scenario.split("-")
+            counts = LookupCounts()
+            kwargs = {"prefetch_depth": int(depth[0])} if depth else {}
+            trainer, model = fit(
+                trainers, optimizer, int(servers), int(staleness), EPOCHS, out, callbacks=[counts], **kwargs
+            )
+            (out / f"{scenario}-rank{trainer.global_rank}.json").write_text(json.dumps(counts.counts))
         if trainer.global_rank == 0:
             assert trainer.global_step == STEPS_PER_EPOCH * EPOCHS, trainer.global_step
             torch.save(model.state_dict(), out / f"{scenario}.pt")
