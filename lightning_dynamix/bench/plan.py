@@ -118,8 +118,10 @@ def _measure(plan: PlacementPlan, args: argparse.Namespace, seed: int) -> tuple[
     strategy = LayerOffloadStrategy(offload=plan, return_embeddings=False)
     trainer = timed_trainer(strategy, args.steps + args.warmup + 1, [timer, requests], args.accelerator)
     trainer.fit(model, datamodule=data)
-    counts = requests.counts[args.warmup :]
-    return timer.timings[0].median_step_seconds, (counts[-1] - counts[0]) / (len(counts) - 1)
+    # a step's count includes the lookup of the batch read ahead, and the last step has none to read:
+    # the steps between the warm-up and the last one, whatever the depth, count one step's requests each
+    counts = requests.counts[args.warmup : -1]
+    return timer.timings[0].median_step_seconds, (counts[-1] - counts[0]) / max(len(counts) - 1, 1)
 
 
 def run(args: argparse.Namespace) -> None:

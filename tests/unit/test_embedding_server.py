@@ -37,14 +37,18 @@ def test_synchronous_lookup_waits_for_every_trainers_push_and_sees_their_mean():
     assert float(waiting.value()[0, 0]) == -2.0  # minus the mean of 1 and 3, at lr 1
 
 
-def test_staleness_one_answers_before_the_previous_update_and_never_later():
+def test_staleness_one_answers_with_the_version_a_step_must_see_never_a_later_one():
     s = server(staleness=1)
     push(s, 0, 0)
-    assert looked_up(s, 1) == 0.0  # update 0 is not applied: step 1 sees the tables after update -1
+    assert s.applied == 0  # applied as soon as every trainer pushed it
+    assert looked_up(s, 1) == 0.0  # step 1 sees the tables after update -1: update 0 rolled back
     push(s, 0, 1)
-    assert s.applied == 0  # update 1 waits for the lookups of step 2
-    assert looked_up(s, 2) == -1.0
-    assert looked_up(s, 3) is None  # needs update 1, which needs step 2's push
+    assert looked_up(s, 2) == -1.0  # after update 0: update 1 rolled back
+    assert looked_up(s, 3) == -2.0  # a step read ahead, answered at once
+    assert looked_up(s, 4) is None  # needs update 2, not pushed yet
+    push(s, 0, 2, row=1)  # another row: row 0's value after update 2 is that after update 1
+    assert looked_up(s, 4) == -2.0
+    assert sorted(s._overwritten) == [2]  # only what a lookup of step 3 or later may still ask for
 
 
 def test_flush_applies_everything_pushed_and_evaluation_reads_it():
