@@ -39,6 +39,7 @@ from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model
+from lightning_dynamix.placement.profile import DEFAULT_REPEATS
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 GIB = 2**30
@@ -51,7 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="timed samples per copy of a layer when profiling (default 5)"
+        "--repeats",
+        type=int,
+        default=DEFAULT_REPEATS,
+        help=f"timed samples per layer when profiling (default {DEFAULT_REPEATS})",
     )
     parser.add_argument(
         "--accelerator", choices=("cpu", "gpu"), default="cpu", help="the trainer's device (default cpu)"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ def _targets(value: str) -> list[float]:
 def _profile(path: Path, resources: Path) -> ModelProfile:
     command = [sys.executable, "-m", "lightning_dynamix.cli.main", "plan", "--model", "dlrm"]
     command += ["--resources", str(resources), "--throughput", "1", "--save-profile", str(path)]
-    subprocess.run(command, check=True, capture_output=True, env=dict(os.environ))
+    subprocess.run(command, check=True, capture_output=True)
     return ModelProfile.load(path)
 
 

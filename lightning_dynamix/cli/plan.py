@@ -28,7 +28,7 @@ from lightning_dynamix.placement import (
     solve_dp,
     solve_greedy,
 )
-from lightning_dynamix.placement.profile import layer_names
+from lightning_dynamix.placement.profile import DEFAULT_REPEATS, layer_names
 from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
 
 SOLVERS = ("dp", "greedy", "rl")
@@ -52,8 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats",
         type=int,
         default=None,
-        help="timed samples per copy of a layer when profiling (default 5; the fastest of a copy's is kept, and the"
-        " median of 5 copies')",
+        help=f"timed samples per layer when profiling, the fastest kept (default {DEFAULT_REPEATS})",
     )
     parser.add_argument("--output", type=Path, default=None, help="write the plan here (.json or .yaml)")
     parser.add_argument(
@@ -97,9 +96,7 @@ def run(args: argparse.Namespace) -> None:
     if args.profile is not None:
         profile = _saved_profile(args, model, batch)
     else:
-        profile = (
-            profile_model(model, batch) if args.repeats is None else profile_model(model, batch, repeats=args.repeats)
-        )
+        profile = profile_model(model, batch, repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats)
     if args.save_profile is not None:
         profile.save(args.save_profile)
     samples = len(loader.dataset) * args.epochs  # per epoch x epochs
@@ -158,7 +155,7 @@ def _saved_profile(args: argparse.Namespace, model: Any, batch: Any) -> ModelPro
 
 
 def _spread_line(profile: ModelProfile, device: str) -> str:
-    """How far the profile's timings on ``device`` can be trusted: the spread of its copies' timings."""
+    """How far the profile's timings on ``device`` can be trusted: the spread of their samples."""
     if not profile.layers[0].spread:
         return f"  {device}: the profile records no spread (written before spreads were kept)"
     widest = max(profile.layers, key=lambda layer: layer.spread[device])

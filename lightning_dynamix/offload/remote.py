@@ -49,6 +49,7 @@ class _Prefetch:
 
     ids: dict[str, Tensor]
     routes: dict[str, Route]
+    answers: dict[int, torch.futures.Future]  # by server
     rows: torch.futures.Future
 
 
@@ -152,7 +153,6 @@ class EmbeddingClient:
         step = self.step + ahead if training else None
         self.prefetches_ahead += bool(ahead and training)
         routes = {table: route(ids.detach().cpu(), sharding, table) for table, (sharding, _, ids) in lookups.items()}
-        dims = {table: dim for table, (_, dim, _) in lookups.items()}
         futures = {}
         for server in range(self.num_servers):
             request = {table: plan.shard_rows[server] for table, plan in routes.items() if len(plan.shard_rows[server])}
@@ -161,16 +161,20 @@ class EmbeddingClient:
                 self.lookup_requests += 1
 
         def assemble(_: torch.futures.Future) -> dict[str, Tensor]:
-            answers = {server: self._wait(server, remote.remote_lookup_many, f) for server, f in futures.items()}
-            empty = {table: torch.empty((0, dim), dtype=torch.float32) for table, dim in dims.items()}
-            return {
-                table: plan.assemble([answers[s][table] if table in answers.get(s, {}) else empty[table]
-                                      for s in range(self.num_servers)])
-                for table, plan in routes.items()
-            }  # fmt: skip
+            # run as the answers arrive; a failed one is raised, naming its server, by _take_prefetched
+            rows = {}
+            for table, plan in routes.items():
+                dim = lookups[table][1]
+                values = [
+                    futures[s].value()[table] if len(plan.shard_rows[s]) else torch.empty((0, dim), dtype=torch.float32)
+                    for s in range(self.num_servers)
+                ]
+                rows[table] = plan.assemble(values)
+            return rows
 
         rows = torch.futures.collect_all(list(futures.values())).then(assemble)
-        self._prefetched[step] = _Prefetch({table: ids for table, (_, _, ids) in lookups.items()}, routes, rows)
+        ids = {table: ids for table, (_, _, ids) in lookups.items()}
+        self._prefetched[step] = _Prefetch(ids, routes, futures, rows)
 
     def has_prefetch(self, training: bool) -> bool:
         """Whether rows were prefetched for the current step (or, ``training=False``, for evaluation)."""
@@ -188,11 +192,9 @@ class EmbeddingClient:
         if expected.shape != ids.shape or not torch.equal(expected, ids):
             self.prefetch_misses += 1
             return None
-        try:
-            rows = entry.rows.wait()[table]
-        except RuntimeError as error:
-            raise self._error(0, remote.remote_lookup_many, error) from error
-        return rows.to(ids.device), plan
+        for server, answer in entry.answers.items():
+            self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
+        return entry.rows.wait()[table].to(ids.device), plan
 
     def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
         """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.

@@ -11,8 +11,10 @@ Timings are made to hold still, so that the same model profiled twice is planned
 timed sample runs a layer enough passes to last :data:`MIN_SAMPLE_SECONDS` (a lookup of a few
 microseconds is not timed against the clock's own cost), the layers are timed in rounds, one sample of
 each layer per round (a machine that slows down for a moment slows every layer alike, not the one
-being timed), and each layer keeps the median of its samples. The spread of its samples (their
-interquartile range over the median) is kept beside it, so a plan can say how far it trusts them.
+being timed), and each layer keeps the fastest of its samples (on an idle machine noise only adds
+time). The spread of its samples (their interquartile range over the median) is kept beside it, so a
+plan can say how far it trusts them. A table is timed with a sparse gradient, the rows its batch
+touched, as an embedding server updates it.
 
 Work done outside modules (``torch.cat``, a ``bmm`` written in ``forward``) belongs to no layer;
 :attr:`ModelProfile.unattributed_seconds` says how much of the whole step that is.
@@ -38,6 +40,7 @@ from lightning_dynamix._checks import require_int
 
 SPARSE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 MIN_SAMPLE_SECONDS = 2e-3  # a timed sample runs a layer this long at least
+DEFAULT_REPEATS = 10  # timed samples of every layer, one per round
 Forward = Callable[[nn.Module, Any], Tensor]
 
 
@@ -156,9 +159,8 @@ def profile_model(
     example_batch: Any,
     devices: Sequence[str] | None = None,
     forward: Forward | None = None,
-    repeats: int = 5,
+    repeats: int = DEFAULT_REPEATS,
     warmup: int = 2,
-    copies: int = 5,
 ) -> ModelProfile:
     """Profile every layer of ``module`` on ``example_batch``, on each device type in ``devices``.
 
@@ -168,11 +170,9 @@ def profile_model(
             batch size.
         devices: device types to time on; default :func:`available_devices`.
         forward: ``forward(module, batch) -> loss``; default :func:`default_forward`.
-        repeats: timed samples per copy of a layer, one per round over the layers (the fastest is kept); a
-            sample runs as many forward+backward passes as last :data:`MIN_SAMPLE_SECONDS`.
-        warmup: untimed passes of each copy of a layer before them.
-        copies: fresh copies of every layer timed in turn (the median of their fastest samples is kept):
-            where a layer's memory lies changes its speed, by 10-20% for a table of megabytes.
+        repeats: timed samples per layer and device, one per round over the layers (the fastest is kept);
+            a sample runs as many forward+backward passes as last :data:`MIN_SAMPLE_SECONDS`.
+        warmup: untimed passes of each layer before them.
 
     Raises:
         ValueError: for a device type this machine does not have, a batch with no tensor, or a model
@@ -184,21 +184,16 @@ def profile_model(
             raise ValueError(f"`devices` includes {device!r}; this machine has {list(available_devices())}")
     require_int("repeats", repeats, 1)
     require_int("warmup", warmup, 0)
-    require_int("copies", copies, 1)
     forward = forward or default_forward
     batch_size = _batch_size(example_batch)
     calls = _record_calls(module, example_batch, forward)
     if not calls:
         raise ValueError(f"{type(module).__name__} called no leaf module on the example batch: nothing to profile")
-    # per device and copy: every layer's pass, and the whole step's last, timed together in rounds
+    # per device: every layer's pass, and the whole step's last, timed together in rounds
     timed = {}
     for device in devices:
-        fastest = []
-        for _ in range(copies):
-            passes = [_layer_pass(call, device) for call in calls]
-            passes.append(_step_pass(module, example_batch, forward, device))
-            fastest.append(_fastest(passes, device, repeats, warmup))
-        timed[device] = [(statistics.median(values), _spread(values)) for values in zip(*fastest)]
+        passes = [_layer_pass(call, device) for call in calls] + [_step_pass(module, example_batch, forward, device)]
+        timed[device] = _timed(passes, device, repeats, warmup)
     layers = []
     for index, call in enumerate(calls):
         layers.append(
@@ -278,7 +273,7 @@ def _layer_pass(call: _Call, device: str) -> Callable[[], None]:
     if isinstance(layer, SPARSE_TYPES) and _sparse_gradient_allowed(layer):
         # a table's step is its lookup and the gradient of the rows the batch touched (what an embedding
         # server updates), not a zero-filled gradient of the whole table: that costs as much as the table
-        # is large, and its time moves by 20% from one profile to the next with where its memory lies
+        # is large, and its time moved by 15-25% from one profile to the next
         layer.sparse = True
     inputs = tuple(
         x.detach().to(device).requires_grad_(x.requires_grad) if isinstance(x, Tensor) else x for x in call.inputs
@@ -310,8 +305,9 @@ def _step_pass(module: nn.Module, batch: Any, forward: Forward, device: str) -> 
     return one_pass
 
 
-def _fastest(passes: Sequence[Callable[[], None]], device: str, repeats: int, warmup: int) -> list[float]:
-    """Seconds of one pass of each of ``passes``: the fastest of ``repeats`` rounds of one sample of each.
+def _timed(passes: Sequence[Callable[[], None]], device: str, repeats: int, warmup: int) -> list[tuple[float, float]]:
+    """Seconds of one pass of each of ``passes``, the fastest of ``repeats`` rounds of one sample of each,
+    and the spread of its samples.
 
     A sample runs the pass back to back for :data:`MIN_SAMPLE_SECONDS` (on a GPU, queued without
     synchronising: synchronising after every pass would time the launch latency of small kernels, not
@@ -328,7 +324,7 @@ def _fastest(passes: Sequence[Callable[[], None]], device: str, repeats: int, wa
     for _ in range(repeats):
         for one_pass, count, kept in zip(passes, counts, samples):
             kept.append(_sample(one_pass, count, device))
-    return [min(kept) for kept in samples]
+    return [(min(kept), _spread(kept)) for kept in samples]
 
 
 def _sample(one_pass: Callable[[], None], count: int, device: str) -> float:

@@ -60,9 +60,7 @@ def cheapest_feasible(model: CostModel, assignments: Iterable[Sequence[int]], so
     best: PlacementPlan | None = None
     for assignment in assignments:
         plan = model.plan(assignment, solver=solver)
-        if plan is not None and (best is None or _rank(plan.cost_per_hour, plan.throughput) < _rank(
-            best.cost_per_hour, best.throughput
-        )):  # fmt: skip
+        if plan is not None and (best is None or _plan_rank(plan) < _plan_rank(best)):
             best = plan
     if best is None:
         raise _infeasible(model)
@@ -182,8 +180,15 @@ def _pareto_dp(model: CostModel) -> PlacementPlan | None:
     finals = [entry for k in range(types) for entry in front[n - 1][k]]
     if not finals:
         return None
-    cheapest = min(finals, key=lambda e: _rank(e[0], min(stage.throughput for stage in e[2])))
-    return model.plan_of_stages(cheapest[2], solver="dp")
+    return model.plan_of_stages(min(finals, key=_entry_rank)[2], solver="dp")
+
+
+def _plan_rank(plan: PlacementPlan) -> tuple[float, float]:
+    return _rank(plan.cost_per_hour, plan.throughput)
+
+
+def _entry_rank(entry: tuple[float, tuple[int, ...], tuple[Stage, ...]]) -> tuple[float, float]:
+    return _rank(entry[0], min(stage.throughput for stage in entry[2]))
 
 
 def _rank(cost_per_hour: float, throughput: float) -> tuple[float, float]:
@@ -196,7 +201,7 @@ def _non_dominated(
     candidates: list[tuple[float, tuple[int, ...], tuple[Stage, ...]]],
 ) -> list[tuple[float, tuple[int, ...], tuple[Stage, ...]]]:
     kept: list[tuple[float, tuple[int, ...], tuple[Stage, ...]]] = []
-    for candidate in sorted(candidates, key=lambda e: (e[0], e[1])):
+    for candidate in sorted(candidates, key=lambda e: (_entry_rank(e), e[1])):
         if not any(all(a <= b for a, b in zip(other[1], candidate[1])) for other in kept):
-            kept.append(candidate)  # cheaper ones came first: kept only if it saves units somewhere
+            kept.append(candidate)  # cheaper (or as cheap and faster) came first: kept only if it saves units
     return kept

@@ -96,8 +96,8 @@ class LayerOffloadStrategy(DDPStrategy):
         prefetch_depth: training batches read ahead, whose rows are asked for while the steps before
             them run (their lookups then overlap the trainer's compute). Needs the LightningModule's
             ``embedding_ids``, and a DataLoader that keeps no state of what it handed out (a stateful
-            loader, or the heterogeneous one of ``DynamixCallback``, would count the batch read ahead as
-            trained). 0 looks each step up when it starts. None (default): 1 where both hold, else 0.
+            loader or batch sampler, such as ``HeterogeneousDataLoader``'s, would count the batch read ahead
+            as trained). 0 looks each step up when it starts. None (default): 1 where both hold, else 0.
         **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout`` also bounds every wait for a server).
     """
 
@@ -321,12 +321,12 @@ class LayerOffloadStrategy(DDPStrategy):
         reasons = []
         if not hasattr(module, "embedding_ids"):
             reasons.append(f"{type(module).__name__} defines no `embedding_ids(batch)` naming the ids of a batch")
-        counted = dataloader if hasattr(dataloader, "state_dict") else getattr(dataloader, "batch_sampler", None)
-        if hasattr(counted, "state_dict") and hasattr(counted, "load_state_dict"):
-            reasons.append(
-                f"the training dataloader's {type(counted).__name__} keeps a state of the batches it handed out, which"
-                " would count a batch read ahead as trained"
-            )
+        for part in (dataloader, getattr(dataloader, "batch_sampler", None)):
+            if hasattr(part, "state_dict") and hasattr(part, "load_state_dict"):
+                reasons.append(
+                    f"the training dataloader's {type(part).__name__} keeps a state of the batches it handed out,"
+                    " which would count a batch read ahead as trained"
+                )
         if not reasons:
             return 1 if self.prefetch_depth is None else self.prefetch_depth
         if self.prefetch_depth is not None:
@@ -336,11 +336,6 @@ class LayerOffloadStrategy(DDPStrategy):
                 + ". Set prefetch_depth=0 (or leave it unset) to look each step up when it starts."
             )
         return 0
-
-    def _read(self, batch: Any, ahead: int) -> None:
-        """A training batch read ``ahead`` steps before its own: ask for its rows now."""
-        if self._client is not None and self._remote and next(iter(self._remote.values())).training:
-            self._prefetch_batch(batch, ahead)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -368,9 +363,11 @@ class LayerOffloadStrategy(DDPStrategy):
         self._prefetch_batch(args[0] if args else kwargs.get("batch"), 0)
 
     def _prefetch_batch(self, batch: Any, ahead: int) -> None:
+        """Look up the tables of a batch trained ``ahead`` steps after the current one (read ahead)."""
         module = self.lightning_module
         hook = getattr(module, "embedding_ids", None)
-        if hook is None or self._client is None:
+        training = bool(self._remote) and next(iter(self._remote.values())).training
+        if hook is None or self._client is None or (ahead and not training):
             return
         ids = hook(batch)
         if not isinstance(ids, Mapping):
@@ -395,7 +392,7 @@ class LayerOffloadStrategy(DDPStrategy):
                 )
             lookups[name] = (table.sharding, table.embedding_dim, value)
         if lookups:
-            self._client.prefetch(lookups, training=next(iter(self._remote.values())).training, ahead=ahead)
+            self._client.prefetch(lookups, training=training, ahead=ahead)
 
     @override
     def on_validation_start(self) -> None:
@@ -549,7 +546,7 @@ class _ReadAhead:
     def __iter__(self) -> Iterator[Any]:
         read: deque[Any] = deque()
         for batch in self.dataloader:
-            self.strategy._read(batch, len(read))
+            self.strategy._prefetch_batch(batch, len(read))
             read.append(batch)
             if len(read) > self.depth:
                 yield read.popleft()

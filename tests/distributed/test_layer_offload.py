@@ -161,6 +161,7 @@ def test_a_killed_server_fails_the_job_with_its_name_and_leaves_no_process(tmp_p
     proc = run_job("offload_job.py", 1, tmp_path, "kill", cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0
     assert "embedding server 1 (embedding-server-1) failed or did not answer" in proc.stderr
+    assert "embedding server 0" not in proc.stderr  # the live one is not blamed
     for pid in map(int, (tmp_path / "kill-pids.txt").read_text().split()):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

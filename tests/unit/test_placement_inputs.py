@@ -21,7 +21,7 @@ def dlrm_batch(size: int = 64):
 def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(tmp_path):
     model = DLRM(table_sizes=TABLES, embedding_dim=16, bottom_mlp=(32,), top_mlp=(16,))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    profile = profile_model(model, dlrm_batch(), repeats=2, warmup=0, copies=2)
+    profile = profile_model(model, dlrm_batch(), repeats=4, warmup=0)
     names = [layer.name for layer in profile.layers]
     assert names == [
         "embeddings.0", "embeddings.1", "embeddings.2",
@@ -41,7 +41,7 @@ def test_profile_finds_the_layers_in_execution_order_with_their_sizes_and_kinds(
     assert all(layer.seconds["cpu"] > 0 for layer in profile.layers)
     assert profile.batch_size == 64
     assert profile.step_seconds["cpu"] > 0
-    # how far apart the copies' timings were, kept beside them
+    # how far apart each layer's samples were, kept beside its time
     assert all(set(layer.spread) == {"cpu"} and layer.spread["cpu"] >= 0 for layer in profile.layers)
     assert set(profile.step_spread) == {"cpu"}
     assert profile.spread("cpu") >= 0
@@ -62,7 +62,7 @@ def test_a_table_is_timed_by_the_rows_a_batch_touches_not_by_its_size():
             return self.table(ids)
 
     ids = torch.randint(0, 1000, (512,))
-    small, large = (profile_model(Table(rows), ids, copies=1).layers[0].seconds["cpu"] for rows in (1000, 2**20))
+    small, large = (profile_model(Table(rows), ids, repeats=3).layers[0].seconds["cpu"] for rows in (1000, 2**20))
     assert large < 5 * small
 
 

@@ -18,7 +18,7 @@ from lightning_dynamix.placement import (
     solve_greedy,
 )
 from lightning_dynamix.placement.random_chains import random_catalogue, random_chain
-from lightning_dynamix.placement.solvers import _relaxed_dp
+from lightning_dynamix.placement.solvers import _pareto_dp, _relaxed_dp
 
 GIB = 2**30
 
@@ -112,7 +112,7 @@ def test_of_placements_that_cost_the_same_the_fastest_is_chosen_whatever_the_sol
     a = ResourceType("a", "cpu", 1.0, 1, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
     b = ResourceType("b", "cpu", 1.0, 1, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
     model = CostModel(ModelProfile(layers, 1, {}), [a, b], 300.0)
-    for plan in (solve_dp(model), solve_brute_force(model)):
+    for plan in (solve_dp(model), solve_brute_force(model), _pareto_dp(model)):  # the last: the scarce-units path
         assert plan.cost_per_hour == 2.0
         assert plan.assignment in (("a", "a", "b", "b"), ("b", "b", "a", "a"))
         assert plan.throughput == pytest.approx(500)
