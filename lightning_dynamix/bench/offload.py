@@ -32,19 +32,22 @@ from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)
-# (name, servers, staleness, prefetch depth); servers 0: the tables in the trainer, plain Lightning.
-# Depth 1 reads a batch ahead and overlaps its lookup with the step before (pipelined); 0 looks a step
-# up when it starts.
-SETUPS = [("in-process", 0, 0, 0)] + [
+# (name, servers, staleness, prefetch depth, trainer threads); servers 0: the tables in the trainer, plain
+# Lightning. Depth 1 reads a batch ahead and overlaps its lookup with the step before (pipelined); 0 looks
+# a step up when it starts. Threads None: the strategy's default (a core left to each server launched);
+# "all": every core to the trainer, as the runner did before it left cores to its servers.
+ALL_CORES = "all"
+SETUPS: list[tuple[str, int, int, int, int | str | None]] = [("in-process", 0, 0, 0, None)] + [
     (
         f"{servers} server{'s' if servers > 1 else ''}{', staleness 1' if staleness else ''}{suffix}",
         servers,
         staleness,
         depth,
+        threads,
     )
     for servers in (1, 2)
     for staleness in (0, 1)
-    for depth, suffix in ((0, ", not pipelined"), (1, ""))
+    for depth, threads, suffix in ((0, ALL_CORES, ", before"), (0, None, ", not pipelined"), (1, None, ""))
 ]
 _JOB_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
@@ -72,12 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _trainer(
-    servers: int, staleness: int, steps: int, callbacks: list[Any], accelerator: str = "cpu", depth: int | None = None
+    servers: int,
+    staleness: int,
+    steps: int,
+    callbacks: list[Any],
+    accelerator: str = "cpu",
+    depth: int | None = None,
+    threads: int | str | None = None,
 ) -> Trainer:
     strategy: Any = "auto"
     if servers:
         strategy = LayerOffloadStrategy(
-            num_embedding_servers=servers, staleness=staleness, return_embeddings=False, prefetch_depth=depth
+            num_embedding_servers=servers,
+            staleness=staleness,
+            return_embeddings=False,
+            prefetch_depth=depth,
+            trainer_threads=torch.get_num_threads() if threads == ALL_CORES else threads,
         )
     return timed_trainer(strategy, steps, callbacks, accelerator)
 
@@ -104,14 +117,16 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
     samples = args.batch_size * (args.steps + args.warmup + 1)
     for round_index in range(args.rounds):
         order = SETUPS if round_index % 2 == 0 else SETUPS[::-1]
-        for name, servers, staleness, depth in order:
+        for name, servers, staleness, depth, threads in order:
             data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
             model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)
             timer = StepTimer(warmup=args.warmup)
-            trainer = _trainer(servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator, depth)
+            trainer = _trainer(
+                servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator, depth, threads
+            )
             trainer.fit(model, datamodule=data)
             steps[name].append(timer.timings[0].median_step_seconds)
-            print(f"round {round_index} {name:>24}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
+            print(f"round {round_index} {name:>32}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
     base = statistics.median(steps["in-process"])
     return {
         name: {
@@ -184,10 +199,10 @@ def run(args: argparse.Namespace) -> None:
         result["speed"] = _speed(args)
     device = "CPU" if args.accelerator == "cpu" else args.accelerator.upper()
     print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer ({device})")
-    print(f"{'set-up':>24}  {'ms/step':>8}  {'samples/s':>9}  {'vs in-process':>13}")
+    print(f"{'set-up':>32}  {'ms/step':>8}  {'samples/s':>9}  {'vs in-process':>13}")
     for name, row in result.get("speed", {}).items():
         print(
-            f"{name:>24}  {row['median_step_ms']:>8.2f}  {row['samples_per_s']:>9.0f}"
+            f"{name:>32}  {row['median_step_ms']:>8.2f}  {row['samples_per_s']:>9.0f}"
             f"  {row['step_time_vs_in_process']:>13.2f}"
         )
     if not args.skip_memory:

@@ -1,7 +1,10 @@
 """``dynamix bench plan``: a placement plan's predicted throughput against the plan run with LayerOffloadStrategy.
 
-The DLRM example is profiled on this machine. For each number of embedding servers, a catalogue
-describes this machine as two resource types: ``trainer`` (one unit, memory for the dense layers
+The DLRM example is profiled on this machine: its layers, and what a step of the strategy pays outside
+them (:func:`~lightning_dynamix.placement.profile_runner`), which the plan's stages include. The
+trainer uses the same intra-op threads when profiled and when it trains: this machine's cores less
+one per server, as the strategy leaves them to the servers it launches. For each number of embedding
+servers, a catalogue describes this machine as two resource types: ``trainer`` (one unit, memory for the dense layers
 only) and ``embedding-server`` (memory for a share of the tables, so the plan rents that many
 servers), both with the loopback bandwidth measured here. The plan puts the tables on the servers
 and the dense layers on the trainer, which is the placement LayerOffloadStrategy runs. It is priced
@@ -10,13 +13,13 @@ was profiled with. With ``--accelerator gpu`` the trainer is a ``gpu`` type, pro
 this machine's GPU, and the servers stay on its CPU. The predictions are set against the measured
 samples/s:
 
-* ``pipelined``: the plan's throughput, its slowest stage's (HeterPS's model: stages overlap);
 * ``stage after stage``: ``plan.sequential_throughput``, the stages' times added up, which is how
-  the strategy runs a step at staleness 0.
+  the strategy runs a step at staleness 0 (a lookup waits for the previous step's update), against
+  the strategy at staleness 0;
+* ``pipelined``: ``plan.throughput``, its slowest stage's (HeterPS's model: stages overlap), against
+  the strategy at staleness 1, whose lookups, read a batch ahead, need not wait for the servers.
 
-Work the cost model leaves out shows as the difference: the requests to the servers (the DLRM names
-its tables' ids, so a step sends one lookup and one push per server), the servers' row updates, the
-optimizer step, and the work no layer accounts for (``torch.stack``, the loss).
+``--no-runner`` plans the layers alone, as the cost model did before it knew the runner.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import socket
 import statistics
 import threading
@@ -31,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_dynamix.bench.core import _config, _machine
@@ -38,7 +43,7 @@ from lightning_dynamix.bench.offload import timed_trainer
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
-from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model
+from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model, profile_runner
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
@@ -48,7 +53,7 @@ GIB = 2**30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=512, help="samples per step (default 512)")
     parser.add_argument("--servers", default="1,2", help="numbers of embedding servers to plan for (default 1,2)")
-    parser.add_argument("--rounds", type=int, default=2, help="training runs per plan (default 2)")
+    parser.add_argument("--rounds", type=int, default=2, help="training runs per plan and staleness (default 2)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
     parser.add_argument(
@@ -60,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accelerator", choices=("cpu", "gpu"), default="cpu", help="the trainer's device (default cpu)"
     )
+    parser.add_argument("--no-runner", action="store_true", help="plan the layers alone, without the runner's terms")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -90,15 +96,19 @@ def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> flo
             return received / (time.perf_counter() - start)
 
 
-def _resources(profile: Any, servers: int, bandwidth: float, trainer_device: str) -> list[ResourceType]:
+def _resources(
+    profile: Any, servers: int, bandwidth: float, trainer_device: str, spare_cores: int
+) -> list[ResourceType]:
     copies = 3  # the cost model's parameter_copies
     dense = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "dense")
     sparse = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "sparse")
     speed = {"dense": 1.0, "sparse": 1.0}  # this machine's CPU cores, and its GPU for a gpu trainer
+    # the servers share the cores the trainer leaves: a server with less than a core of its own is slower
+    share = min(1.0, max(spare_cores, 1) / servers)
     return [
         # memory for a 1/(servers - 0.5) share of the tables: the plan needs exactly `servers` of them
         ResourceType("embedding-server", "cpu", 1.0, servers, math.ceil(copies * sparse / (servers - 0.5)), bandwidth,
-                     speed),
+                     {"dense": share, "sparse": share}),
         ResourceType("trainer", trainer_device, 1.0, 1, 2 * copies * dense, bandwidth, speed),
     ]  # fmt: skip
 
@@ -113,13 +123,15 @@ class _LookupRequests(Callback):
         self.counts.append(trainer.strategy.client.lookup_requests)
 
 
-def _measure(plan: PlacementPlan, args: argparse.Namespace, seed: int) -> tuple[float, float]:
+def _measure(
+    plan: PlacementPlan, args: argparse.Namespace, seed: int, threads: int, staleness: int
+) -> tuple[float, float]:
     """The median step's seconds, and the lookup requests per step after the warm-up."""
     samples = args.batch_size * (args.steps + args.warmup + 1)
     data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
     model = DLRM(table_sizes=data.spec.table_sizes, seed=seed, meta_embeddings=True)
     timer, requests = StepTimer(warmup=args.warmup), _LookupRequests()
-    strategy = LayerOffloadStrategy(offload=plan, return_embeddings=False)
+    strategy = LayerOffloadStrategy(offload=plan, return_embeddings=False, trainer_threads=threads, staleness=staleness)
     trainer = timed_trainer(strategy, args.steps + args.warmup + 1, [timer, requests], args.accelerator)
     trainer.fit(model, datamodule=data)
     # a step's count includes the lookup of the batch read ahead, and the last step has none to read:
@@ -138,7 +150,17 @@ def run(args: argparse.Namespace) -> None:
     # the trainer's resource type, and the device its layers are profiled on
     trainer_device, trainer_profile = ("cpu", "cpu") if args.accelerator == "cpu" else ("gpu", "cuda")
     devices = sorted({"cpu", trainer_profile})
-    profile = profile_model(model, next(iter(data.train_dataloader())), devices=devices, repeats=args.repeats)
+    # the trainer's threads, profiled as it will train: the strategy leaves a core to each server it launches
+    threads = max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) - max(counts)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        loader = data.train_dataloader()
+        profile = profile_model(model, next(iter(loader)), devices=devices, repeats=args.repeats)
+        if not args.no_runner:
+            profile = profile.with_runner(profile_runner(model, loader, trainer_threads=threads))
+    finally:
+        torch.set_num_threads(before)
     bandwidth = loopback_bandwidth()
     tables = [index for index, layer in enumerate(profile.layers) if layer.kind == "sparse"]
     sparse_ms = sum(profile.layers[i].seconds["cpu"] for i in tables) * args.batch_size * 1e3
@@ -149,6 +171,8 @@ def run(args: argparse.Namespace) -> None:
         "config": _config(args),
         "machine": _machine(),
         "loopback_bytes_per_s": bandwidth,
+        "trainer_threads": threads,
+        "runner": None if profile.runner is None else profile.runner.to_dict(),
         "profile": {
             "tables_ms_per_batch": sparse_ms,
             "dense_layers_ms_per_batch": dense_ms,
@@ -158,26 +182,37 @@ def run(args: argparse.Namespace) -> None:
         "plans": {},
     }
     for servers in counts:
-        resources = _resources(profile, servers, bandwidth, trainer_device)
+        spare = len(os.sched_getaffinity(0)) - threads if args.accelerator == "cpu" else len(os.sched_getaffinity(0))
+        resources = _resources(profile, servers, bandwidth, trainer_device, spare)
         cost = CostModel(profile, resources, target_throughput=1.0)
         plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
         if plan is None or plan.embedding_servers() != servers:
             raise SystemExit(f"dynamix bench plan: the plan for {servers} servers came out as {plan}")
-        steps, lookups = [], []
+        steps: dict[int, list[float]] = {0: [], 1: []}
+        lookups = []
         for round_index in range(args.rounds):
-            step, requests = _measure(plan, args, round_index)
-            steps.append(step)
-            lookups.append(requests)
-            print(f"{servers} server(s), round {round_index}: {1e3 * steps[-1]:.2f} ms/step", flush=True)
-        measured = args.batch_size / statistics.median(steps)
+            for staleness in (0, 1):
+                step, requests = _measure(plan, args, round_index, threads, staleness)
+                steps[staleness].append(step)
+                lookups.append(requests)
+                print(
+                    f"{servers} server(s), staleness {staleness}, round {round_index}: {1e3 * step:.2f} ms/step",
+                    flush=True,
+                )
+        measured = {staleness: args.batch_size / statistics.median(values) for staleness, values in steps.items()}
         result["plans"][str(servers)] = {
             "plan": plan.to_dict(),
             "predicted_pipelined_samples_per_s": plan.throughput,
             "predicted_sequential_samples_per_s": plan.sequential_throughput,
-            "measured_samples_per_s": measured,
-            "measured_over_sequential": measured / plan.sequential_throughput,
-            "measured_step_ms_per_round": [1e3 * s for s in steps],
-            "unmodelled_ms_per_step": 1e3 * (args.batch_size / measured - args.batch_size / plan.sequential_throughput),
+            # staleness 0: a lookup waits for the update before it, the stages run one after another
+            "measured_samples_per_s": measured[0],
+            "measured_over_sequential": measured[0] / plan.sequential_throughput,
+            "measured_step_ms_per_round": [1e3 * s for s in steps[0]],
+            # staleness 1 with read-ahead: the servers' work overlaps the trainer's, as a pipeline
+            "measured_staleness_1_samples_per_s": measured[1],
+            "measured_staleness_1_over_pipelined": measured[1] / plan.throughput,
+            "measured_staleness_1_step_ms_per_round": [1e3 * s for s in steps[1]],
+            "unmodelled_ms_per_step": 1e3 * args.batch_size * (1 / measured[0] - 1 / plan.sequential_throughput),
             # lookups counted by the trainer, and one push per server
             "requests_per_step": statistics.mean(lookups) + servers,
         }
@@ -186,17 +221,26 @@ def run(args: argparse.Namespace) -> None:
         f" 1 trainer ({args.accelerator.upper()}), servers on the CPU;"
         f" profile per batch: tables {sparse_ms:.2f} ms, dense layers {dense_ms:.2f} ms,"
         f" unattributed {result['profile']['unattributed_ms_per_batch']:.2f} ms;"
-        f" loopback {bandwidth / 1e9:.2f} GB/s"
+        f" loopback {bandwidth / 1e9:.2f} GB/s; trainer threads {threads}"
     )
+    if profile.runner is not None:
+        runner = profile.runner
+        print(
+            f"runner per step: loop and round trip {1e3 * runner.step_seconds:.2f} ms, batch"
+            f" {1e3 * runner.loader_seconds:.2f} ms, dense optimizer {1e3 * runner.optimizer_seconds:.2f} ms,"
+            f" a second server {1e3 * runner.request_seconds:.2f} ms; {sum(runner.rows.values()):.0f} rows at"
+            f" {1e6 * runner.trainer_row_seconds:.2f} us on the trainer and {1e6 * runner.server_row_seconds:.2f} us"
+            " on a server"
+        )
     print(
-        f"{'servers':>7}  {'pipelined':>10}  {'sequential':>10}  {'measured':>10}  {'meas/seq':>8}"
-        f"  {'unmodelled ms/step':>18}  {'requests/step':>13}"
+        f"{'servers':>7}  {'sequential':>10}  {'staleness 0':>11}  {'meas/pred':>9}"
+        f"  {'pipelined':>10}  {'staleness 1':>11}  {'meas/pred':>9}  {'requests/step':>13}"
     )
     for servers, row in result["plans"].items():
         print(
-            f"{servers:>7}  {row['predicted_pipelined_samples_per_s']:>10.0f}"
-            f"  {row['predicted_sequential_samples_per_s']:>10.0f}  {row['measured_samples_per_s']:>10.0f}"
-            f"  {row['measured_over_sequential']:>8.3f}  {row['unmodelled_ms_per_step']:>18.2f}"
+            f"{servers:>7}  {row['predicted_sequential_samples_per_s']:>10.0f}  {row['measured_samples_per_s']:>11.0f}"
+            f"  {row['measured_over_sequential']:>9.3f}  {row['predicted_pipelined_samples_per_s']:>10.0f}"
+            f"  {row['measured_staleness_1_samples_per_s']:>11.0f}  {row['measured_staleness_1_over_pipelined']:>9.3f}"
             f"  {row['requests_per_step']:>13g}"
         )
     if args.output is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -18,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.placement import CostModel, ModelProfile, load_catalogue, solve_dp
+from lightning_dynamix.placement import CostModel, InfeasibleError, ModelProfile, load_catalogue, solve_dp
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "examples" / "placement" / "catalogue.yaml"
 SAMPLES = 65536  # the example data's samples per epoch (the cost per hour, which ranks placements, ignores it)
-DEFAULT_TARGETS = "300000,1000000,2000000,5000000,10000000"
+# within reach of the example catalogue with the runner's terms (about 450,000 samples/s on the 2-core VM)
+DEFAULT_TARGETS = "50000,100000,200000,300000,400000"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--throughput", default=DEFAULT_TARGETS, help=f"targets, samples/s, comma-separated (default {DEFAULT_TARGETS})"
     )
     parser.add_argument("--resources", type=Path, default=CATALOGUE, help="the catalogue (default the example's)")
+    parser.add_argument("--no-runner", action="store_true", help="profile the layers alone (dynamix plan --no-runner)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -46,15 +49,19 @@ def _targets(value: str) -> list[float]:
     return targets
 
 
-def _profile(path: Path, resources: Path) -> ModelProfile:
+def _profile(path: Path, resources: Path, no_runner: bool) -> ModelProfile:
     command = [sys.executable, "-m", "lightning_dynamix.cli.main", "plan", "--model", "dlrm"]
     command += ["--resources", str(resources), "--throughput", "1", "--save-profile", str(path)]
+    command += ["--no-runner"] if no_runner else []
     subprocess.run(command, check=True, capture_output=True)
     return ModelProfile.load(path)
 
 
 def _placement(profile: ModelProfile, resources: Any, target: float, samples: int) -> tuple[float, str]:
-    plan = solve_dp(CostModel(profile, resources, target, training_samples=samples))
+    try:
+        plan = solve_dp(CostModel(profile, resources, target, training_samples=samples))
+    except InfeasibleError:
+        return math.inf, "infeasible"
     stages = ", ".join(f"{s.resource} x{s.units} layers {s.first}-{s.last}" for s in plan.stages)
     return plan.cost_per_hour, stages
 
@@ -67,9 +74,12 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as directory:
         profiles = []
         for run_index in range(args.runs):
-            profiles.append(_profile(Path(directory) / f"profile-{run_index}.json", args.resources))
+            profiles.append(_profile(Path(directory) / f"profile-{run_index}.json", args.resources, args.no_runner))
             step = profiles[-1].step_seconds["cpu"] * profiles[-1].batch_size
-            print(f"run {run_index}: whole pass {1e3 * step:.2f} ms, spread {100 * profiles[-1].spread('cpu'):.1f}%")
+            runner = profiles[-1].runner
+            fixed = "" if runner is None else f", runner's fixed terms {1e3 * runner.fixed_seconds:.2f} ms per step"
+            spread = 100 * profiles[-1].spread("cpu")
+            print(f"run {run_index}: whole pass {1e3 * step:.2f} ms, spread {spread:.1f}%{fixed}")
     per_target = {}
     for target in targets:
         chosen = Counter(_placement(profile, resources, target, SAMPLES) for profile in profiles)
@@ -84,7 +94,12 @@ def run(args: argparse.Namespace) -> None:
         "config": _config(args),
         "machine": _machine(),
         "profiles": [
-            {"step_ms": 1e3 * p.step_seconds["cpu"] * p.batch_size, "spread": p.spread("cpu")} for p in profiles
+            {
+                "step_ms": 1e3 * p.step_seconds["cpu"] * p.batch_size,
+                "spread": p.spread("cpu"),
+                "runner": None if p.runner is None else p.runner.to_dict(),
+            }
+            for p in profiles
         ],
         "targets": per_target,
     }

@@ -25,6 +25,7 @@ from lightning_dynamix.placement import (
     PlacementPlan,
     load_catalogue,
     profile_model,
+    profile_runner,
     solve_dp,
     solve_greedy,
 )
@@ -63,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " and data are still loaded, to check the layers and count the samples",
     )
     parser.add_argument("--save-profile", type=Path, default=None, help="write the profile measured here (JSON)")
+    parser.add_argument(
+        "--no-runner",
+        action="store_true",
+        help="price the layers alone, without what a step of LayerOffloadStrategy pays beside them (its loop,"
+        " round trips, rows and optimiser step, measured by default)",
+    )
 
 
 def _load(class_path: str, what: str) -> Any:
@@ -97,6 +104,10 @@ def run(args: argparse.Namespace) -> None:
         profile = _saved_profile(args, model, batch)
     else:
         profile = profile_model(model, batch, repeats=DEFAULT_REPEATS if args.repeats is None else args.repeats)
+        if not args.no_runner:
+            profile = profile.with_runner(profile_runner(model, loader))
+    if args.no_runner:
+        profile = profile.with_runner(None)
     if args.save_profile is not None:
         profile.save(args.save_profile)
     samples = len(loader.dataset) * args.epochs  # per epoch x epochs
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"dynamix plan: {type(model).__name__}, {len(profile.layers)} layers {source} on {list(profile.devices)}")
     for device in profile.devices:
         print(_spread_line(profile, device))
+    print(_runner_line(profile))
     if args.save_profile is not None:
         print(f"profile written to {args.save_profile}")
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")
@@ -164,6 +176,19 @@ def _spread_line(profile: ModelProfile, device: str) -> str:
         f"  {device}: whole pass {whole:.2f} ms per batch of {profile.batch_size} (spread"
         f" {100 * profile.step_spread[device]:.1f}%), layers' spread {100 * profile.spread(device):.1f}% weighted by"
         f" time, widest {widest.name} {100 * widest.spread[device]:.1f}% (interquartile range over the median)"
+    )
+
+
+def _runner_line(profile: ModelProfile) -> str:
+    """The runner's terms the plan includes, per step of the profile's batch."""
+    runner = profile.runner
+    if runner is None:
+        return "  runner: not included (the layers alone are priced)"
+    return (
+        f"  runner, per step: loop and round trip {1e3 * runner.step_seconds:.2f} ms, batch"
+        f" {1e3 * runner.loader_seconds:.2f} ms, dense optimizer {1e3 * runner.optimizer_seconds:.2f} ms;"
+        f" {sum(runner.rows.values()):.0f} rows looked up per batch at {1e6 * runner.trainer_row_seconds:.2f} us each"
+        f" on the trainer and {1e6 * runner.server_row_seconds:.2f} us on a server"
     )
 
 

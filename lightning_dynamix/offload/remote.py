@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from lightning_dynamix.offload import server as remote
 from lightning_dynamix.offload.server import TableSpec, server_name
-from lightning_dynamix.offload.sharding import Route, RowSharding, route
+from lightning_dynamix.offload.sharding import Route, RowSharding, TablesRoute, route, route_tables
 
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 
@@ -45,12 +45,19 @@ class _Lookup:
 
 @dataclass
 class _Prefetch:
-    """Tables' rows asked for one step (or for evaluation), arriving as ``rows``, ``{table: rows}``."""
+    """Tables' rows asked for one step (or for evaluation), arriving as ``rows``, ``{table: rows}``.
 
-    ids: dict[str, Tensor]
-    routes: dict[str, Route]
+    The tables are routed together, one :class:`TablesRoute` per row length (``groups``); ``leaves``
+    are the rows handed to the tables' forwards where autograd is on, whose gradients :meth:`push`
+    sends.
+    """
+
+    ids: dict[str, Tensor]  # the ids each table's forward is expected to pass, until it does
+    groups: dict[int, TablesRoute]  # by row length
+    group_of: dict[str, tuple[int, int]]  # table: (row length, its index in the group)
     answers: dict[int, torch.futures.Future]  # by server
     rows: torch.futures.Future
+    leaves: dict[str, Tensor]
 
 
 class EmbeddingClient:
@@ -68,6 +75,7 @@ class EmbeddingClient:
         self.timeout_s = timeout_s
         self.step = 0  # the training step lookups are for; advanced by every push
         self._recorded: list[_Lookup] = []
+        self._trained: list[_Prefetch] = []  # prefetches whose rows this step trains
         self._pushes: list[tuple[int, torch.futures.Future]] = []
         self._prefetched: dict[int | None, _Prefetch] = {}  # by the step they are for (None: evaluation)
         self.lookup_requests = 0  # lookup requests sent to the servers, one per server per lookup or prefetch
@@ -152,39 +160,46 @@ class EmbeddingClient:
         """
         step = self.step + ahead if training else None
         self.prefetches_ahead += bool(ahead and training)
-        routes = {table: route(ids.detach().cpu(), sharding, table) for table, (sharding, _, ids) in lookups.items()}
+        by_dim: dict[int, list[str]] = {}
+        for table, (_, dim, _) in lookups.items():
+            by_dim.setdefault(dim, []).append(table)
+        groups = {
+            dim: route_tables(
+                {table: lookups[table][2].detach().cpu() for table in tables},
+                {table: lookups[table][0] for table in tables},
+            )
+            for dim, tables in by_dim.items()
+        }
         futures = {}
         for server in range(self.num_servers):
-            request = {table: plan.shard_rows[server] for table, plan in routes.items() if len(plan.shard_rows[server])}
+            request = {table: rows for group in groups.values() for table, rows in group.shard_rows[server].items()}
             if request:
                 futures[server] = self._call(server, remote.remote_lookup_many, step, request)
                 self.lookup_requests += 1
 
         def assemble(_: torch.futures.Future) -> dict[str, Tensor]:
             # run as the answers arrive; a failed one is raised, naming its server, by _take_prefetched
+            answers = [futures[s].value() if s in futures else {} for s in range(self.num_servers)]
             rows = {}
-            for table, plan in routes.items():
-                dim = lookups[table][1]
-                values = [
-                    futures[s].value()[table] if len(plan.shard_rows[s]) else torch.empty((0, dim), dtype=torch.float32)
-                    for s in range(self.num_servers)
-                ]
-                rows[table] = plan.assemble(values)
+            for dim, group in groups.items():
+                rows.update(zip(group.tables, group.assemble(answers, dim)))
             return rows
 
         rows = torch.futures.collect_all(list(futures.values())).then(assemble)
         ids = {table: ids for table, (_, _, ids) in lookups.items()}
-        self._prefetched[step] = _Prefetch(ids, routes, futures, rows)
+        group_of = {table: (dim, index) for dim, tables in by_dim.items() for index, table in enumerate(tables)}
+        self._prefetched[step] = _Prefetch(ids, groups, group_of, futures, rows, {})
 
     def has_prefetch(self, training: bool) -> bool:
         """Whether rows were prefetched for the current step (or, ``training=False``, for evaluation)."""
         return (self.step if training else None) in self._prefetched
 
-    def _take_prefetched(self, table: str, ids: Tensor, step: int | None) -> tuple[Tensor, Route] | None:
+    def _take_prefetched(self, table: str, ids: Tensor, training: bool) -> tuple[Tensor, Route] | None:
+        step = self.step if training else None
         entry = self._prefetched.get(step)
         if entry is None or table not in entry.ids:
             return None
-        expected, plan = entry.ids.pop(table), entry.routes[table]
+        expected = entry.ids.pop(table)
         if not entry.ids:
             del self._prefetched[step]
         if expected.device != ids.device:
@@ -194,7 +209,14 @@ class EmbeddingClient:
             return None
         for server, answer in entry.answers.items():
             self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
-        return entry.rows.wait()[table].to(ids.device), plan
+        rows = entry.rows.wait()[table].to(ids.device)
+        if training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            if not entry.leaves:
+                self._trained.append(entry)
+            entry.leaves[table] = rows
+        dim, index = entry.group_of[table]
+        return rows, entry.groups[dim].table(index)
 
     def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
         """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.
@@ -203,25 +225,24 @@ class EmbeddingClient:
         leaf whose gradient :meth:`push` sends; otherwise the servers' current rows. Rows
         :meth:`prefetch` brought for these ids are used without a request.
         """
-        step = self.step if training else None
-        prefetched = self._take_prefetched(table, ids, step)
+        prefetched = self._take_prefetched(table, ids, training)
         if prefetched is not None:
-            rows, plan = prefetched
-        else:
-            plan = route(ids.detach().cpu(), sharding, table)
-            futures = {
-                server: self._call(server, remote.remote_lookup, table, step, rows)
-                for server, rows in enumerate(plan.shard_rows)
-                if len(rows)
-            }
-            self.lookup_requests += len(futures)
-            values = [
-                self._wait(server, remote.remote_lookup, futures[server])
-                if server in futures
-                else torch.empty((0, dim), dtype=torch.float32)
-                for server in range(self.num_servers)
-            ]
-            rows = plan.assemble(values).to(ids.device)
+            return prefetched
+        step = self.step if training else None
+        plan = route(ids.detach().cpu(), sharding, table)
+        futures = {
+            server: self._call(server, remote.remote_lookup, table, step, rows)
+            for server, rows in enumerate(plan.shard_rows)
+            if len(rows)
+        }
+        self.lookup_requests += len(futures)
+        values = [
+            self._wait(server, remote.remote_lookup, futures[server])
+            if server in futures
+            else torch.empty((0, dim), dtype=torch.float32)
+            for server in range(self.num_servers)
+        ]
+        rows = plan.assemble(values).to(ids.device)
         if training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._recorded.append(_Lookup(table, plan, rows))
@@ -232,16 +253,34 @@ class EmbeddingClient:
         self._check_pushes()
         for step in [s for s in self._prefetched if s is None or s <= self.step]:
             del self._prefetched[step]  # rows prefetched for this step (or evaluation) and never looked up
-        if not self._recorded:
+        if not self._recorded and not self._trained:
             return False
         per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]
+
+        def add(server: int, table: str, rows: Tensor, grads: Tensor) -> None:
+            table_rows, table_grads = per_server[server].setdefault(table, ([], []))
+            table_rows.append(rows)
+            table_grads.append(grads)
+
         for lookup in self._recorded:
-            grad = lookup.rows.grad if lookup.rows.grad is not None else torch.zeros_like(lookup.rows)
-            for server, grads in enumerate(lookup.route.split(grad.detach().cpu())):
-                rows, values = per_server[server].setdefault(lookup.table, ([], []))
-                rows.append(lookup.route.shard_rows[server])
-                values.append(grads)
+            for server, grads in enumerate(lookup.route.split(_grad(lookup.rows))):
+                add(server, lookup.table, lookup.route.shard_rows[server], grads)
+        for entry in self._trained:
+            for dim, group in entry.groups.items():
+                taken = {table for table in group.tables if table in entry.leaves}
+                if not taken:
+                    continue
+                grads = torch.cat(
+                    [
+                        _grad(entry.leaves[table]) if table in taken else torch.zeros((size, dim))
+                        for table, size in zip(group.tables, group.sizes)
+                    ]
+                )
+                for server, tables in enumerate(group.split(grads, taken)):
+                    for table, (rows, values) in tables.items():
+                        add(server, table, rows, values)
         self._recorded.clear()
+        self._trained.clear()
         for server, tables in enumerate(per_server):
             payload = {name: (torch.cat(rows), torch.cat(values)) for name, (rows, values) in tables.items()}
             self._pushes.append((server, self._call(server, remote.remote_push, self.trainer_rank, self.step, payload)))
@@ -260,6 +299,7 @@ class EmbeddingClient:
     def flush(self) -> None:
         """Return once every server has applied every update up to the last step pushed by any trainer."""
         self._recorded.clear()  # rows looked up but never trained (a step that was skipped)
+        self._trained.clear()
         self._prefetched.clear()
         self._check_pushes(wait=True)
         self._all(remote.remote_flush, self.step - 1)
@@ -267,6 +307,11 @@ class EmbeddingClient:
     def finish(self) -> None:
         """Tell every server this trainer is done with it."""
         self._all(remote.remote_finish, self.trainer_rank)
+
+
+def _grad(rows: Tensor) -> Tensor:
+    """The gradient of looked-up rows, on the CPU (zeros where the loss did not reach them)."""
+    return (rows.grad if rows.grad is not None else torch.zeros_like(rows)).detach().cpu()
 
 
 class RemoteTable(nn.Module):

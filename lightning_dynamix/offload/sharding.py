@@ -115,3 +115,140 @@ def route(ids: torch.Tensor, sharding: RowSharding, table: str = "table") -> Rou
     shard_of, local = sharding.locate(unique)
     positions = tuple(torch.nonzero(shard_of == s).reshape(-1) for s in range(sharding.num_shards))
     return Route(unique, inverse, positions, tuple(local[p] for p in positions))
+
+
+@dataclass(frozen=True)
+class TablesRoute:
+    """Several tables' ids, deduplicated together and grouped by server: a step's lookup of every table.
+
+    :func:`route_tables` gives every table a block of one id space (table ``t``'s row ``i`` is id
+    ``base[t] + i``, each base a multiple of the number of servers, so an id's server is its row's),
+    and deduplicates and groups the whole batch with a handful of tensor operations instead of a
+    handful per table. The distinct ids come out ordered by table, then row: table ``t``'s rows are
+    the ``sizes[t]`` entries from ``starts[t]`` on.
+
+    Attributes:
+        tables: the tables, in the order of their blocks.
+        unique: the distinct ids of the batch (in the shared id space), ascending.
+        inverse: for every id of the batch (the tables' ids flattened, one after another), its position in ``unique``.
+        sizes, starts: per table, how many of ``unique`` are its rows and where they begin.
+        lengths, offsets: per table, how many ids of the batch are its and where they begin in ``inverse``.
+        bases: per table, the first id of its block.
+        shard_positions: per server, the positions in ``unique`` of the ids it holds (ordered by table).
+        shard_rows: per server, per table it holds rows of, the local rows to fetch.
+        shard_counts: per server, per table (in ``tables`` order), how many of its positions are the table's.
+    """
+
+    tables: tuple[str, ...]
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+    offsets: tuple[int, ...]
+    bases: tuple[int, ...]
+    shard_positions: tuple[torch.Tensor, ...]
+    shard_rows: tuple[dict[str, torch.Tensor], ...]
+    shard_counts: tuple[tuple[int, ...], ...]
+
+    def table(self, index: int) -> Route:
+        """Table ``tables[index]``'s own distinct ids and inverse (its server grouping left empty)."""
+        start, size, offset = self.starts[index], self.sizes[index], self.offsets[index]
+        unique = self.unique[start : start + size] - self.bases[index]
+        inverse = self.inverse[offset : offset + self.lengths[index]] - start
+        return Route(unique, inverse, (), ())
+
+    def assemble(self, answers: Sequence[dict[str, torch.Tensor]], dim: int) -> list[torch.Tensor]:
+        """Per table, the rows of its distinct ids, from each server's answer (per table, rows in ``shard_rows`` order).
+
+        The tables' rows are consecutive slices of one tensor, each its own tensor to autograd.
+        """
+        out = torch.empty((len(self.unique), dim), dtype=torch.float32)
+        for server, positions in enumerate(self.shard_positions):
+            if len(positions):
+                parts = [answers[server][table] for table in self.shard_rows[server]]
+                out[positions] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return list(out.split(self.sizes))
+
+    def split(
+        self, unique_values: torch.Tensor, tables: set[str]
+    ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Per server, per table of ``tables``: the server's local rows of it and their entries of ``unique_values``.
+
+        ``unique_values`` has one entry per id of ``unique`` (every table's rows, in order), as
+        :meth:`assemble` gave them. Every server gets every table of ``tables``, with no rows where
+        it holds none of the batch (its optimiser counts the step all the same); the tables not in
+        ``tables`` are left out.
+        """
+        out = []
+        no_rows = self.unique.new_empty((0,))
+        for server, positions in enumerate(self.shard_positions):
+            rows = self.shard_rows[server]
+            values = unique_values[positions].split(self.shard_counts[server])
+            out.append(
+                {
+                    table: (rows.get(table, no_rows), grads)
+                    for table, grads in zip(self.tables, values)
+                    if table in tables
+                }
+            )
+        return out
+
+
+def route_tables(ids: dict[str, torch.Tensor], shardings: dict[str, RowSharding]) -> TablesRoute:
+    """Deduplicate several tables' ids at once (each any shape) and group them by server.
+
+    Every table must be sharded over the same servers.
+
+    Raises:
+        ValueError: for an id outside its table's ``[0, num_rows)``, naming the table and the id.
+    """
+    tables = tuple(ids)
+    shards = {shardings[table].num_shards for table in tables}
+    if len(shards) != 1:
+        raise ValueError(f"the tables are sharded over different numbers of servers: {sorted(shards)}")
+    servers = shards.pop()
+    flats = [ids[table].reshape(-1).long() for table in tables]
+    lengths = tuple(flat.numel() for flat in flats)
+    rows = torch.tensor([shardings[table].num_rows for table in tables])
+    blocks = (rows + servers - 1) // servers * servers
+    bases = blocks.cumsum(0) - blocks
+    table_of_id = torch.repeat_interleave(torch.arange(len(tables)), torch.tensor(lengths))
+    flat = torch.cat(flats)
+    bad = (flat < 0) | (flat >= rows[table_of_id])
+    if bool(bad.any()):
+        first = int(torch.nonzero(bad)[0, 0])
+        table = tables[int(table_of_id[first])]
+        limit = shardings[table].num_rows
+        raise ValueError(f"embedding {table!r}: id {int(flat[first])} is outside [0, {limit}) (its num_embeddings)")
+    unique, inverse = torch.unique(flat + bases[table_of_id], sorted=True, return_inverse=True)
+    table_of = torch.searchsorted(bases, unique, right=True) - 1
+    sizes = torch.bincount(table_of, minlength=len(tables))
+    local = (unique - bases[table_of]) // servers
+    shard_of = unique % servers
+    positions, shard_rows, shard_counts = [], [], []
+    for server in range(servers):
+        where = torch.nonzero(shard_of == server).reshape(-1) if servers > 1 else torch.arange(len(unique))
+        counts = tuple(torch.bincount(table_of[where], minlength=len(tables)).tolist())
+        positions.append(where)
+        shard_counts.append(counts)
+        shard_rows.append(
+            {table: part for table, part, count in zip(tables, local[where].split(counts), counts) if count}
+        )
+    starts = sizes.cumsum(0) - sizes
+    offsets = [0]
+    for length in lengths[:-1]:
+        offsets.append(offsets[-1] + length)
+    return TablesRoute(
+        tables,
+        unique,
+        inverse,
+        tuple(sizes.tolist()),
+        tuple(starts.tolist()),
+        lengths,
+        tuple(offsets),
+        tuple(bases.tolist()),
+        tuple(positions),
+        tuple(shard_rows),
+        tuple(shard_counts),
+    )

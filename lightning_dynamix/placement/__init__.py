@@ -8,7 +8,14 @@ chains, :func:`solve_greedy` as the baseline), as a :class:`PlacementPlan`.
 
 from lightning_dynamix.placement.catalogue import ResourceType, load_catalogue
 from lightning_dynamix.placement.cost import CostModel, InfeasibleError, PlacementPlan, Stage
-from lightning_dynamix.placement.profile import LayerProfile, ModelProfile, available_devices, profile_model
+from lightning_dynamix.placement.profile import (
+    LayerProfile,
+    ModelProfile,
+    RunnerProfile,
+    available_devices,
+    profile_model,
+)
+from lightning_dynamix.placement.runner import profile_runner
 from lightning_dynamix.placement.solvers import best_throughput, solve_brute_force, solve_dp, solve_greedy
 
 __all__ = [
@@ -18,11 +25,13 @@ __all__ = [
     "ModelProfile",
     "PlacementPlan",
     "ResourceType",
+    "RunnerProfile",
     "Stage",
     "available_devices",
     "best_throughput",
     "load_catalogue",
     "profile_model",
+    "profile_runner",
     "solve_brute_force",
     "solve_dp",
     "solve_greedy",

@@ -17,6 +17,30 @@ A placement gives every layer of a chain a resource type. Consecutive layers on 
 
 Its cost is the units' price per hour, and for ``training_samples`` samples that price over the
 hours they take at the target throughput (a pipeline provisioned for a target runs at it).
+
+Where the profile holds the runner's terms (:class:`~lightning_dynamix.placement.RunnerProfile`,
+what a step of :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` pays outside the layers),
+they are charged where the strategy pays them:
+
+* a stage of dense layers, or any stage on a GPU type (the strategy serves tables from CPU
+  processes only: tables on a GPU stay in its trainer), whose units are trainers, pays per step the
+  runner's fixed terms
+  (Lightning's loop and a lookup and push round trip, reading the batch, the dense optimiser) and
+  the work of the whole pass that no layer accounts for, over the batch size. Every such stage pays
+  them: a pipeline stage runs a loop of its own, so cutting the dense layers into more stages costs
+  more, not less;
+* a table on a CPU type, which the strategy puts on an embedding server, pays per sample its rows
+  per batch times the runner's seconds per row: the server's (its lookup and update, over the type's
+  speed) and the trainer's (routing, assembly, the gradients' split), charged to the table's stage;
+* such a stage's units are servers, each holding a share of every one of its tables: every server
+  adds its round trip and its work per table to the step whatever its share of the rows (the
+  runner's ``request_seconds``, taken out of the fixed terms for the empty step's one server). With
+  ``u`` units the stage's seconds per sample are ``u * request + seconds / u``, not ``seconds / u``;
+  it gets the fewest units that meet the target.
+
+The plan's stages then add up to a step of the strategy: at ``staleness=0`` a step waits for its
+lookup, so :attr:`PlacementPlan.sequential_throughput` is its forecast, and
+:attr:`PlacementPlan.runner` keeps the terms.
 """
 
 from __future__ import annotations
@@ -50,7 +74,9 @@ class Stage:
         device: the resource type's device (``"cpu"`` or ``"gpu"``).
         units: units rented for it.
         seconds_per_sample: one unit's seconds per sample, transfers included.
-        throughput: ``units / seconds_per_sample``, samples/s.
+        throughput: the stage's samples/s: ``units / seconds_per_sample``, or with the runner's terms
+            on a stage of embedding servers, less (each server after the first adds to a step; see
+            the module).
         cost_per_hour: ``units`` times the type's price.
     """
 
@@ -80,6 +106,8 @@ class PlacementPlan:
         training_cost: the cost of ``training_samples`` samples at the target throughput.
         training_samples: samples the training cost is for.
         solver: which solver made the plan.
+        runner: the runner's terms the stages include (:meth:`RunnerProfile.to_dict`), None where the
+            profile had none: the layers alone were priced.
     """
 
     layers: tuple[str, ...]
@@ -92,6 +120,7 @@ class PlacementPlan:
     training_cost: float
     training_samples: int
     solver: str = ""
+    runner: dict[str, Any] | None = None
 
     @property
     def sequential_throughput(self) -> float:
@@ -99,10 +128,10 @@ class PlacementPlan:
 
         That is how :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` runs a plan: a step
         looks up the embedding servers' rows, runs the dense layers, then pushes the gradients back.
-        The seconds per sample are the sum over the stages of each stage's seconds over its units, and
-        the throughput is the inverse of that sum. It is never above :attr:`throughput`.
+        The seconds per sample are the sum over the stages of the inverse of each stage's throughput,
+        and the throughput is the inverse of that sum. It is never above :attr:`throughput`.
         """
-        seconds = sum(stage.seconds_per_sample / stage.units for stage in self.stages)
+        seconds = sum(1 / stage.throughput for stage in self.stages)
         return 1 / seconds if seconds > 0 else math.inf
 
     def offloaded_layers(self) -> list[str]:
@@ -143,6 +172,7 @@ class PlacementPlan:
             training_cost=float(data["training_cost"]),
             training_samples=int(data["training_samples"]),
             solver=str(data.get("solver", "")),
+            runner=data.get("runner"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -195,6 +225,9 @@ class CostModel:
         n = len(layers)
         # prefix sums of layer seconds (per type), dense and sparse bytes: every stage in O(1)
         self._seconds: list[list[float]] = []
+        self._fixed: list[float] = []  # per type: what a stage of dense layers pays per sample beyond them
+        self._served: list[list[float]] = []  # per type, prefix sums: tables an embedding server would hold
+        runner = profile.runner
         for resource in self.resources:
             device = "cuda" if resource.device == "gpu" and "cuda" in profile.devices else "cpu"
             if device not in profile.devices:
@@ -203,8 +236,26 @@ class CostModel:
                     f" {device} (it has {list(profile.devices)}): profile the model on {device}"
                 )
             seconds = [layer.seconds[device] / resource.speed(layer.kind) for layer in layers]
+            fixed, served = 0.0, [0] * n
+            if runner is not None:
+                if resource.device == "cpu":  # the strategy serves these tables from embedding servers
+                    speed = resource.speed("sparse")
+                    row = runner.trainer_row_seconds + runner.server_row_seconds / speed
+                    for index, layer in enumerate(layers):
+                        if layer.kind == "sparse":
+                            seconds[index] += runner.rows.get(layer.name, 0.0) * row / runner.batch_size
+                            served[index] = 1
+                unattributed = profile.unattributed_seconds(device) if device in profile.step_seconds else 0.0
+                # the empty step's server is charged with the servers, as every other one (request)
+                fixed = (runner.fixed_seconds - runner.request_seconds) / runner.batch_size
+                fixed += max(unattributed, 0.0) / resource.speed("dense")
             self._seconds.append(_prefix(seconds))
+            self._fixed.append(fixed)
+            self._served.append(_prefix(served))
+        self._request = 0.0 if runner is None else runner.request_seconds / runner.batch_size
+        self.runner = None if runner is None else runner.to_dict()
         self._dense = _prefix([layer.parameter_bytes if layer.kind == "dense" else 0 for layer in layers])
+        self._dense_count = _prefix([1 if layer.kind == "dense" else 0 for layer in layers])
         self._sparse = _prefix([layer.parameter_bytes if layer.kind == "sparse" else 0 for layer in layers])
         self._activation = [layer.activation_bytes for layer in layers]
         self.num_layers = n
@@ -219,6 +270,8 @@ class CostModel:
         """One unit's seconds per sample for layers ``first..last`` on type ``resource``, transfers included."""
         kind = self.resources[resource]
         seconds = self._seconds[resource][last + 1] - self._seconds[resource][first]
+        if kind.device != "cpu" or self._dense_count[last + 1] > self._dense_count[first]:
+            seconds += self._fixed[resource]  # not a stage of embedding servers: its units run the step's loop
         if first > 0:
             seconds += 2 * self._activation[first - 1] / kind.link_bandwidth
         if last < self.num_layers - 1:
@@ -229,6 +282,9 @@ class CostModel:
         """Stage ``first..last`` on resource type index ``resource``, or None when it cannot meet the target."""
         kind = self.resources[resource]
         seconds = self.stage_seconds(first, last, resource)
+        # the stage's units are embedding servers: each one more adds its round trip and its work per table
+        servers = self._served[resource][last + 1] > self._served[resource][first]
+        request = self._request if servers else 0.0
         units = max(1, math.ceil(self.target * seconds * (1 - 1e-12)))
         dense = self.parameter_copies * (self._dense[last + 1] - self._dense[first])
         sparse = self.parameter_copies * (self._sparse[last + 1] - self._sparse[first])
@@ -239,9 +295,13 @@ class CostModel:
             units = max(units, math.ceil(sparse / room))
         elif dense > kind.memory_bytes:
             return None
+        # every server adds to the step: more units than seconds * target may be needed
+        while units <= kind.units and self.target * (units * request + seconds / units) > 1 + 1e-12:
+            units += 1
         if units > kind.units:
             return None
-        throughput = units / seconds if seconds > 0 else math.inf
+        per_sample = units * request + seconds / units
+        throughput = 1 / per_sample if per_sample > 0 else math.inf
         return Stage(first, last, kind.name, kind.device, units, seconds, throughput, units * kind.price_per_hour)
 
     def plan(self, assignment: Sequence[int], solver: str = "") -> PlacementPlan | None:
@@ -279,6 +339,7 @@ class CostModel:
             training_cost=per_hour * self.training_samples / self.target / 3600,
             training_samples=self.training_samples,
             solver=solver,
+            runner=self.runner,
         )
 
 

@@ -23,6 +23,7 @@ Work done outside modules (``torch.cat``, a ``bmm`` written in ``forward``) belo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import statistics
@@ -69,6 +70,63 @@ class LayerProfile:
 
 
 @dataclass(frozen=True)
+class RunnerProfile:
+    """The offload runner's costs outside the layers, at one batch size (per step, or per row).
+
+    Attributes:
+        batch_size: samples per step the terms were measured at.
+        step_seconds: the strategy's empty step: Lightning's loop and one lookup and push round trip.
+        loader_seconds: reading one batch from the training DataLoader.
+        optimizer_seconds: one step of the dense optimiser.
+        rows: per table (layer name), the distinct rows one batch looks up.
+        trainer_row_seconds: per distinct row looked up, the trainer's work: routing the ids,
+            assembling the rows that come back, splitting their gradients per server.
+        server_row_seconds: per distinct row, a server's work: its lookup and its update.
+        request_seconds: what one more server adds to a step: its lookup and push round trip and its
+            work per table (the empty step includes the first server's).
+    """
+
+    batch_size: int
+    step_seconds: float
+    loader_seconds: float
+    optimizer_seconds: float
+    rows: Mapping[str, float] = field(default_factory=dict)
+    trainer_row_seconds: float = 0.0
+    server_row_seconds: float = 0.0
+    request_seconds: float = 0.0
+
+    @property
+    def fixed_seconds(self) -> float:
+        """What every step pays whatever the placement: the empty step, the batch and the dense optimiser."""
+        return self.step_seconds + self.loader_seconds + self.optimizer_seconds
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "step_seconds": self.step_seconds,
+            "loader_seconds": self.loader_seconds,
+            "optimizer_seconds": self.optimizer_seconds,
+            "rows": dict(self.rows),
+            "trainer_row_seconds": self.trainer_row_seconds,
+            "server_row_seconds": self.server_row_seconds,
+            "request_seconds": self.request_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunnerProfile:
+        return cls(
+            batch_size=int(data["batch_size"]),
+            step_seconds=float(data["step_seconds"]),
+            loader_seconds=float(data["loader_seconds"]),
+            optimizer_seconds=float(data["optimizer_seconds"]),
+            rows={str(k): float(v) for k, v in data.get("rows", {}).items()},
+            trainer_row_seconds=float(data.get("trainer_row_seconds", 0.0)),
+            server_row_seconds=float(data.get("server_row_seconds", 0.0)),
+            request_seconds=float(data.get("request_seconds", 0.0)),
+        )
+
+
+@dataclass(frozen=True)
 class ModelProfile:
     """A model's layers in execution order, with the batch they were measured on.
 
@@ -77,12 +135,15 @@ class ModelProfile:
         batch_size: samples of the example batch.
         step_seconds: per device type, one whole forward+backward pass per sample, timed as a whole.
         step_spread: per device type, the spread of the whole pass's samples (as a layer's ``spread``).
+        runner: what a step of LayerOffloadStrategy pays outside the layers
+            (:func:`~lightning_dynamix.placement.runner.profile_runner`), or None when not measured.
     """
 
     layers: tuple[LayerProfile, ...]
     batch_size: int
     step_seconds: Mapping[str, float] = field(default_factory=dict)
     step_spread: Mapping[str, float] = field(default_factory=dict)
+    runner: RunnerProfile | None = None
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -108,14 +169,28 @@ class ModelProfile:
             "layers": [
                 {**asdict(layer), "seconds": dict(layer.seconds), "spread": dict(layer.spread)} for layer in self.layers
             ],
+            "runner": None if self.runner is None else self.runner.to_dict(),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelProfile:
         layers = tuple(LayerProfile(**layer) for layer in data["layers"])
+        runner = data.get("runner")
         return cls(
-            layers, int(data["batch_size"]), dict(data.get("step_seconds", {})), dict(data.get("step_spread", {}))
+            layers,
+            int(data["batch_size"]),
+            dict(data.get("step_seconds", {})),
+            dict(data.get("step_spread", {})),
+            None if runner is None else RunnerProfile.from_dict(runner),
         )
+
+    def with_runner(self, runner: RunnerProfile | None) -> ModelProfile:
+        """This profile with the runner's terms ``runner`` (measured at the same batch size)."""
+        if runner is not None and runner.batch_size != self.batch_size:
+            raise ValueError(
+                f"the runner's terms were measured at batch size {runner.batch_size}, the layers at {self.batch_size}"
+            )
+        return dataclasses.replace(self, runner=runner)
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""
@@ -296,6 +371,9 @@ def _sparse_gradient_allowed(layer: nn.Module) -> bool:
 
 def _step_pass(module: nn.Module, batch: Any, forward: Forward, device: str) -> Callable[[], None]:
     model = copy.deepcopy(module).to(device)
+    for layer in model.modules():
+        if isinstance(layer, SPARSE_TYPES) and _sparse_gradient_allowed(layer):
+            layer.sparse = True  # as the tables are timed alone: what is left over is work no layer does
     moved = _to(batch, device)
 
     def one_pass() -> None:

@@ -98,6 +98,10 @@ class LayerOffloadStrategy(DDPStrategy):
             ``embedding_ids``, and a DataLoader that keeps no state of what it handed out (a stateful
             loader or batch sampler, such as ``HeterogeneousDataLoader``'s, would count the batch read ahead
             as trained). 0 looks each step up when it starts. None (default): 1 where both hold, else 0.
+        trainer_threads: torch's intra-op threads in each trainer process while it trains. None
+            (default): on the machine that runs the launched servers, at most its cores less one per
+            server, shared by its trainers (at least 1), so the servers have cores of their own (idle
+            intra-op threads spin on a core and the servers' answers wait for it); elsewhere as set.
         **kwargs: Lightning's ``DDPStrategy`` arguments (``timeout`` also bounds every wait for a server).
     """
 
@@ -114,6 +118,7 @@ class LayerOffloadStrategy(DDPStrategy):
         server_port: int | None = None,
         return_embeddings: bool = True,
         prefetch_depth: int | None = None,
+        trainer_threads: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -149,6 +154,8 @@ class LayerOffloadStrategy(DDPStrategy):
         self.server_port = server_port
         self.return_embeddings = bool(return_embeddings)
         self.prefetch_depth = None if prefetch_depth is None else require_int("prefetch_depth", prefetch_depth, 0)
+        self.trainer_threads = None if trainer_threads is None else require_int("trainer_threads", trainer_threads, 1)
+        self._threads_before: int | None = None
         self._client: EmbeddingClient | None = None
         self._servers: list[subprocess.Popen] = []
         self._offloaded: dict[str, nn.Module] = {}  # the LightningModule's own embedding modules, set aside
@@ -171,6 +178,7 @@ class LayerOffloadStrategy(DDPStrategy):
         assert module is not None
         targets = self._select(module)
         self._failed = False
+        self._set_threads()
         self._start_rpc()
         self._client = EmbeddingClient(self.global_rank, self.num_embedding_servers, self._timeout.total_seconds())
         self._remote = {name: remote_module(self._client, name, embedding) for name, embedding in targets.items()}
@@ -188,6 +196,15 @@ class LayerOffloadStrategy(DDPStrategy):
             for embedding in targets.values():  # the servers own the rows now, and train them
                 embedding.weight = nn.Parameter(torch.empty_like(embedding.weight, device="meta"))
         self.barrier("embedding tables created")
+
+    def _set_threads(self) -> None:
+        threads = self.trainer_threads
+        if threads is None and self.launch_servers and self.node_rank == 0:
+            cores = len(os.sched_getaffinity(0))
+            threads = min(torch.get_num_threads(), max(1, (cores - self.num_embedding_servers) // self.num_processes))
+        if threads is not None:
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
 
     def _select(self, module: LightningModule) -> dict[str, nn.Module]:
         modules = dict(module.named_modules())
@@ -485,6 +502,9 @@ class LayerOffloadStrategy(DDPStrategy):
             finally:
                 self._client = None
                 self._stop_servers()
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         super().teardown()
 
     def _finish(self) -> None:

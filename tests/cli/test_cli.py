@@ -268,7 +268,7 @@ def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_a
         f"{servers}{staleness}{pipelined}"
         for servers in ("1 server", "2 servers")
         for staleness in ("", ", staleness 1")
-        for pipelined in ("", ", not pipelined")
+        for pipelined in ("", ", not pipelined", ", before")
     }
     assert all(row["median_step_ms"] > 0 for row in result["speed"].values())
     for name in ("in-process", "1 server", "2 servers"):
@@ -298,10 +298,40 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
     assert row["requests_per_step"] == 2 + 2  # one lookup for all 26 tables and one push, per server
 
 
+# the layers alone: what a step of the strategy pays beside them is measured in one test only
 PLAN_ARGS = [
     "plan", "--model", "dlrm", "--resources", str(Path(__file__).parents[2] / "examples/placement/catalogue.yaml"),
-    "--data-args", '{"num_samples": 1024, "table_sizes": [100, 2000, 30], "batch_size": 128}', "--repeats", "2",
+    "--data-args", '{"num_samples": 1024, "table_sizes": [100, 2000, 30], "batch_size": 128}', "--no-runner",
+    "--repeats", "2",
 ]  # fmt: skip
+
+
+def test_plan_includes_what_a_step_of_the_strategy_pays_beside_the_layers_and_keeps_it_in_the_plan_file(tmp_path):
+    from lightning_dynamix.placement import CostModel, ModelProfile, PlacementPlan, load_catalogue
+
+    with_runner = [arg for arg in PLAN_ARGS if arg != "--no-runner"]
+    saved, out = tmp_path / "profile.json", tmp_path / "plan.json"
+    output = dynamix(
+        *with_runner, "--throughput", "20000", "--save-profile", str(saved), "--output", str(out), cwd=tmp_path
+    )
+    assert "runner, per step: loop and round trip" in output
+    plan, profile = PlacementPlan.load(out), ModelProfile.load(saved)
+    runner = profile.runner
+    assert runner is not None
+    assert plan.runner == runner.to_dict()  # the fixed terms, in the plan file
+    assert runner.batch_size == 128
+    assert set(runner.rows) == {"embeddings.0", "embeddings.1", "embeddings.2"}
+    for term in ("step_seconds", "loader_seconds", "optimizer_seconds", "trainer_row_seconds", "server_row_seconds"):
+        assert plan.runner[term] > 0, term
+    assert plan.runner["step_seconds"] > plan.runner["request_seconds"]
+    # the same placement priced without them forecasts more than the strategy can do
+    resources = load_catalogue(PLAN_ARGS[4])
+    index = {r.name: i for i, r in enumerate(resources)}
+    assignment = [index[name] for name in plan.assignment]
+    bare = CostModel(profile.with_runner(None), resources, 20000.0).plan(assignment)
+    priced = CostModel(profile, resources, 20000.0).plan(assignment)
+    assert priced.sequential_throughput < bare.sequential_throughput
+    assert plan.throughput >= 20000
 
 
 def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_for_the_strategy(tmp_path):
@@ -309,6 +339,7 @@ def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_
 
     output = dynamix(*PLAN_ARGS, "--throughput", "2000000", "--output", str(tmp_path / "plan.json"), cwd=tmp_path)
     assert "embeddings.1" in output
+    assert "runner: not included" in output
     per_hour = {
         line.split()[0]: float(line.split()[1])
         for line in output.splitlines()
@@ -357,6 +388,7 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
     assert f"--profile {saved} is of another model" in error
     error = _plan_failure(*PLAN_ARGS, "--throughput", "2000000", "--profile", str(saved), cwd=tmp_path)
     assert "--repeats 2 times a new profile" in error
+    assert ModelProfile.load(saved).runner is None  # --no-runner
     (tmp_path / "broken.json").write_text('{"layers": []')
     error = _plan_failure(
         *without_repeats, "--throughput", "1", "--profile", str(tmp_path / "broken.json"), cwd=tmp_path
@@ -366,10 +398,13 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
 
 def test_bench_replan_counts_the_placements_fresh_profiles_choose(tmp_path):
     out = tmp_path / "replan.json"
-    dynamix("bench", "replan", "--runs", "2", "--throughput", "300000,2e6", "--output", str(out), cwd=tmp_path)
+    dynamix(
+        "bench", "replan", "--runs", "2", "--no-runner", "--throughput", "100000,3e5", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
     result = json.loads(out.read_text())
     assert len(result["profiles"]) == 2
-    for target in ("300000", "2e+06"):
+    for target in ("100000", "300000"):
         row = result["targets"][target]
         assert sum(placement["runs"] for placement in row["placements"]) == 2
         assert row["distinct_placements"] == len(row["placements"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -22,6 +24,7 @@ from lightning_dynamix.strategies import LayerOffloadStrategy
         ({"sparse_optimizer_args": {"lr": 0.1}}, "without a `sparse_optimizer`"),
         ({"staleness": -1}, "`staleness` must be an int >= 0, got -1"),
         ({"prefetch_depth": -1}, "`prefetch_depth` must be an int >= 0, got -1"),
+        ({"trainer_threads": 0}, "`trainer_threads` must be an int >= 1, got 0"),
         ({"offload": "embeddings"}, "`offload` must be 'auto' or a non-empty list"),
         ({"offload": []}, "`offload` must be 'auto' or a non-empty list"),
         ({"offload": ["a", "a"]}, "distinct module names"),
@@ -115,6 +118,25 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=sampler)
     with pytest.raises(MisconfigurationException, match=r"CountingSampler keeps a state of the batches it handed"):
         fit(WithIds(), loader, prefetch_depth=1)
+
+
+def test_a_trainer_leaves_a_core_to_each_server_it_launched_and_gets_its_threads_back():
+    # a trainer's idle intra-op threads spin on the cores its servers need to answer it
+    seen = []
+
+    class Threads(Model):
+        def training_step(self, batch, batch_idx):
+            seen.append(torch.get_num_threads())
+            return super().training_step(batch, batch_idx)
+
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0))
+    fit(Threads(), num_embedding_servers=2)
+    assert seen == [min(before, max(1, cores - 2))]
+    assert torch.get_num_threads() == before
+    fit(Threads(), trainer_threads=3)  # chosen: exactly that
+    assert seen[-1] == 3
+    assert torch.get_num_threads() == before
 
 
 def test_a_model_without_embeddings_is_refused():

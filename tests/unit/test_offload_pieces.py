@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_dynamix.offload import RowAdagrad, RowSGD, RowSharding, make_sparse_optimizer, route
+from lightning_dynamix.offload.sharding import route_tables
 
 
 @pytest.mark.parametrize(("rows", "shards"), [(10, 1), (10, 3), (7, 4), (3, 5)])
@@ -54,6 +55,48 @@ def test_an_id_outside_the_table_is_refused_naming_the_table_and_the_id():
         route(torch.tensor([3, 20]), RowSharding(20, 2), table="C7")
     with pytest.raises(ValueError, match=r"embedding 'C7': id -1 is outside"):
         route(torch.tensor([-1, 3]), RowSharding(20, 2), table="C7")
+    shardings = {"C1": RowSharding(5, 2), "C7": RowSharding(20, 2)}
+    with pytest.raises(ValueError, match=r"embedding 'C7': id 20 is outside \[0, 20\)"):
+        route_tables({"C1": torch.tensor([4]), "C7": torch.tensor([3, 20])}, shardings)
+    with pytest.raises(ValueError, match=r"embedding 'C1': id 5 is outside \[0, 5\)"):
+        route_tables({"C1": torch.tensor([5]), "C7": torch.tensor([3])}, shardings)
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_tables_routed_together_fetch_and_push_what_each_routed_alone_does(shards):
+    # a step's lookup of every table at once (one request per server): the same rows, the same gradients
+    generator = torch.Generator().manual_seed(0)
+    sizes = {"a": 7, "b": 1, "c": 50, "d": 4}
+    tables = {name: torch.randn(rows, 3, generator=generator) for name, rows in sizes.items()}
+    shardings = {name: RowSharding(rows, shards) for name, rows in sizes.items()}
+    shards_of = {name: shardings[name].split(table) for name, table in tables.items()}
+    ids = {name: torch.randint(0, rows, (4, 5), generator=generator) for name, rows in sizes.items()}
+    ids["d"] = torch.empty((0,), dtype=torch.int64)  # a table this batch does not touch
+    together = route_tables(ids, shardings)
+    answers = [
+        {name: shards_of[name][server][rows] for name, rows in together.shard_rows[server].items()}
+        for server in range(shards)
+    ]
+    fetched = together.assemble(answers, 3)
+    grads = {}
+    for index, (name, rows) in enumerate(zip(together.tables, fetched)):
+        alone = route(ids[name], shardings[name])
+        own = together.table(index)
+        assert torch.equal(own.unique, alone.unique)
+        assert torch.equal(own.inverse, alone.inverse)
+        assert torch.equal(rows[own.inverse].reshape(*ids[name].shape, 3), tables[name][ids[name]])
+        for server in range(shards):  # each server is asked for exactly the rows it holds of the batch
+            asked = together.shard_rows[server].get(name, torch.empty(0, dtype=torch.int64))
+            assert torch.equal(asked, alone.shard_rows[server])
+        grads[name] = torch.randn(rows.shape, generator=generator)
+    pushed = together.split(torch.cat([grads[name] for name in together.tables]), {"a", "c", "d"})
+    for name in ("a", "c"):
+        alone = route(ids[name], shardings[name])
+        for server, expected in enumerate(alone.split(grads[name])):
+            rows, values = pushed[server][name]  # every server, its rows or none: its optimiser counts the step
+            assert torch.equal(rows, alone.shard_rows[server])
+            assert torch.equal(values, expected)
+    assert all(set(tables) == {"a", "c", "d"} for tables in pushed)  # b was not trained
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from lightning_dynamix.placement import (
     ModelProfile,
     PlacementPlan,
     ResourceType,
+    RunnerProfile,
     solve_brute_force,
     solve_dp,
     solve_greedy,
@@ -102,6 +103,33 @@ def test_a_pipeline_runs_at_its_slowest_stage_and_stage_after_stage_at_the_sum_o
     assert plan.throughput == pytest.approx(2 / 0.006)  # 333: the trainers' stage is the slower (the server's: 500)
     assert plan.sequential_throughput == pytest.approx(1 / (0.002 / 1 + 0.006 / 2))  # 200: a lookup, then the rest
     assert plan.sequential_throughput < plan.throughput
+
+
+def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in_the_plan_file(tmp_path):
+    # batch 10; a step pays 4 ms of loop, 2 ms reading the batch, 1 ms of optimiser, 3 ms per server;
+    # the table's 20 rows per batch cost 100 us each on the trainer and 400 us on a server
+    runner = RunnerProfile(10, 0.004, 0.002, 0.001, {"table": 20.0}, 1e-4, 4e-4, 0.003)
+    table = LayerProfile("table", "sparse", {"cpu": 0.002}, GIB, 0)
+    dense = LayerProfile("dense", "dense", {"cpu": 0.006}, 1000, 4)
+    profile = ModelProfile((table, dense), 10, {"cpu": 0.009}, runner=runner)  # 1 ms of the pass is in no layer
+    server = ResourceType("server", "cpu", 1.0, 4, 16 * GIB, 1e9, {"dense": 1.0, "sparse": 2.0})
+    trainer = ResourceType("trainer", "cpu", 2.0, 4, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
+    plan = CostModel(profile, [server, trainer], 50.0).plan([0, 1])
+    tables, dense_stage = plan.stages
+    # the server stage: its layer (at speed 2), each row's trainer and server work (at speed 2), a request per unit
+    rows = 0.002 / 2 + 20 * (1e-4 + 4e-4 / 2) / 10
+    assert tables.seconds_per_sample == pytest.approx(rows)  # 1.6 ms
+    assert tables.throughput == pytest.approx(1 / (tables.units * 0.003 / 10 + rows / tables.units))
+    # the trainers: their layer, the unattributed 1 ms, and the step's fixed terms less the empty step's server
+    assert dense_stage.seconds_per_sample == pytest.approx(0.006 + 0.001 + (0.004 + 0.002 + 0.001 - 0.003) / 10)
+    bare = CostModel(profile.with_runner(None), [server, trainer], 50.0).plan([0, 1])
+    assert plan.sequential_throughput < bare.sequential_throughput  # the runner's terms cost time
+    assert plan.runner == runner.to_dict()
+    assert bare.runner is None
+    plan.save(tmp_path / "plan.json")  # the fixed terms are in the plan file
+    assert PlacementPlan.load(tmp_path / "plan.json").runner["step_seconds"] == 0.004
+    with pytest.raises(ValueError, match="measured at batch size 10, the layers at 1"):
+        ModelProfile((table, dense), 1, {}).with_runner(runner)
 
 
 def test_of_placements_that_cost_the_same_the_fastest_is_chosen_whatever_the_solver():

@@ -1,0 +1,256 @@
+"""What a step of :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` pays outside the model's layers.
+
+A layer profile (:func:`~lightning_dynamix.placement.profile_model`) times the layers; the strategy's
+step also reads a batch, runs Lightning's loop, asks the embedding servers for the batch's rows and
+waits for them, pushes the rows' gradients back, has them applied, and steps the dense optimiser.
+:func:`profile_runner` measures those terms on this machine, each with the real pieces:
+
+* ``loader_seconds``: one batch read from the training DataLoader;
+* ``optimizer_seconds``: one step of the LightningModule's own optimiser over its dense parameters;
+* ``step_seconds``: the strategy's empty step, a real ``Trainer`` with ``LayerOffloadStrategy`` and
+  one embedding server training as many tables as the model has, of two rows each: Lightning's loop,
+  one lookup and one push round trip, and what the trainer and the server pay per table, with next
+  to no rows and no compute; ``request_seconds``: what a second server adds to it;
+* ``rows``, ``trainer_row_seconds`` and ``server_row_seconds``: the distinct rows a batch looks up
+  per table, and per row what the trainer does with it (route it, assemble it, split its gradient)
+  and what a server does (look it up, apply the sparse optimiser's update), timed with the real
+  routing and an :class:`~lightning_dynamix.offload.server.EmbeddingServer` in this process holding
+  the model's tables, with the counterpart of its optimiser.
+
+:class:`~lightning_dynamix.placement.CostModel` adds them to the stages of a plan (see there), so a
+plan's throughput forecasts what the strategy measures, not only what its layers cost.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_dynamix.placement.profile import (
+    SPARSE_TYPES,
+    Forward,
+    RunnerProfile,
+    _batch_size,
+    _record_calls,
+    _timed,
+    default_forward,
+)
+
+_EMPTY_STEPS = 60  # steps of the empty-step run, of which the first
+_EMPTY_WARMUP = 15  # are not timed
+
+
+def profile_runner(
+    module: nn.Module,
+    dataloader: Any,
+    forward: Forward | None = None,
+    repeats: int = 10,
+    trainer_threads: int | None = None,
+) -> RunnerProfile:
+    """Measure :class:`RunnerProfile`'s terms for ``module`` trained on ``dataloader`` (on this machine's CPU).
+
+    Args:
+        module: the LightningModule (left as it was).
+        dataloader: its training DataLoader; its first batch is the example batch.
+        forward: ``forward(module, batch) -> loss``; default :func:`~lightning_dynamix.placement.default_forward`.
+        repeats: timed samples of each term measured by timing (the fastest is kept).
+        trainer_threads: the strategy's ``trainer_threads`` for the empty step (None: its default).
+
+    Raises:
+        ValueError: for a module with no embedding table, or an empty DataLoader.
+    """
+    forward = forward or default_forward
+    batches = iter(dataloader)
+    try:
+        batch = next(batches)
+    except StopIteration:
+        raise ValueError("`dataloader` is empty: the runner's terms need at least one batch") from None
+    calls = [call for call in _record_calls(module, batch, forward) if isinstance(call.module, SPARSE_TYPES)]
+    if not calls:
+        raise ValueError(f"{type(module).__name__} has no nn.Embedding or nn.EmbeddingBag: nothing is offloaded")
+    batch_size = _batch_size(batch)
+    loader = _loader_seconds(dataloader)
+    optimizer_pass = _optimizer_pass(module, batch, forward)
+    rows, trainer_pass, server_pass, per_table_pass = _rows_passes(module, calls)
+    timed = _timed([optimizer_pass, trainer_pass, server_pass, per_table_pass], "cpu", repeats, warmup=2)
+    total_rows = max(sum(rows.values()), 1.0)
+    dims = [call.module.embedding_dim for call in calls]
+    one_server = _empty_step_seconds(dims, trainer_threads, 1)
+    return RunnerProfile(
+        batch_size=batch_size,
+        step_seconds=one_server,
+        loader_seconds=loader,
+        optimizer_seconds=timed[0][0],
+        rows=rows,
+        trainer_row_seconds=timed[1][0] / total_rows,
+        server_row_seconds=max(timed[2][0] - timed[3][0], 0.0) / max(total_rows - len(calls), 1.0),
+        request_seconds=max(_empty_step_seconds(dims, trainer_threads, 2) - one_server, 0.0),
+    )
+
+
+def _loader_seconds(dataloader: Any, batches: int = 20) -> float:
+    """Seconds per batch read, over ``batches`` batches after the first (a fresh iterator, as every epoch has)."""
+    times = []
+    iterator = iter(dataloader)
+    next(iterator, None)
+    for _ in range(batches):
+        start = time.perf_counter()
+        if next(iterator, None) is None:
+            break
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] if times else 0.0
+
+
+def _optimizer_pass(module: nn.Module, batch: Any, forward: Forward) -> Any:
+    """One step of the module's optimiser over its dense parameters (the tables are the servers')."""
+    model = copy.deepcopy(module)
+    optimizer = _first_optimizer(model.configure_optimizers()) if hasattr(model, "configure_optimizers") else None
+    if optimizer is None:
+        return lambda: None
+    forward(model, batch).backward()
+    for leaf in model.modules():
+        if isinstance(leaf, SPARSE_TYPES):
+            leaf.weight.grad = None  # an optimiser skips a parameter without a gradient, as the strategy's meta tables
+
+    def one_step() -> None:
+        optimizer.step()
+
+    return one_step
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer | None:
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, Mapping):
+        return _first_optimizer(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    return None
+
+
+def _rows_passes(module: nn.Module, calls: list[Any]) -> tuple[dict[str, float], Any, Any, Any]:
+    """The distinct rows of the example batch per table, and one step of what the trainer and what a server
+    do with them."""
+    from lightning_dynamix.offload import RowSGD, sparse_counterpart
+    from lightning_dynamix.offload.server import EmbeddingServer, TableSpec
+    from lightning_dynamix.offload.sharding import RowSharding, route_tables
+
+    optimizer = None
+    if hasattr(module, "configure_optimizers"):
+        configured = _first_optimizer(copy.deepcopy(module).configure_optimizers())
+        if configured is not None:
+            try:
+                optimizer = sparse_counterpart(configured)
+            except ValueError:
+                optimizer = None  # the strategy refuses such a module; time plain SGD updates instead
+    optimizer = optimizer or RowSGD(lr=0.01)
+    server = EmbeddingServer(0, 1, 1)
+    groups: dict[int, tuple[dict[str, torch.Tensor], dict[str, RowSharding]]] = {}  # by row length
+    for call in calls:
+        layer = call.module
+        server.create_table(TableSpec(call.name, layer.num_embeddings, layer.embedding_dim, optimizer), None)
+        ids, shardings = groups.setdefault(layer.embedding_dim, ({}, {}))
+        ids[call.name] = call.inputs[0].detach()
+        shardings[call.name] = RowSharding(layer.num_embeddings, 1)
+    rows = {name: float(torch.unique(value).numel()) for ids, _ in groups.values() for name, value in ids.items()}
+    routes = {dim: route_tables(ids, shardings) for dim, (ids, shardings) in groups.items()}
+    request = {table: local for route in routes.values() for table, local in route.shard_rows[0].items()}
+    answer = server.lookup_many(0, request).wait()
+    grads = {dim: torch.cat(route.assemble([answer], dim)) for dim, route in routes.items()}
+    pushed = {}
+    for dim, route in routes.items():
+        pushed.update(route.split(grads[dim], set(route.tables))[0])
+    server.push(0, 0, pushed)
+    step = [1]
+    # one row of every table: what a server pays per table, whatever its rows
+    one_request = {table: local[:1] for table, local in request.items()}
+    one_pushed = {table: (local[:1], grads[:1]) for table, (local, grads) in pushed.items()}
+
+    def trainer_step() -> None:  # route the ids, assemble the rows, split the gradients
+        for dim, (ids, shardings) in groups.items():
+            route = route_tables(ids, shardings)
+            values = torch.cat(route.assemble([answer], dim))
+            route.split(values, set(route.tables))
+
+    def server_step(request: dict[str, torch.Tensor], pushed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        server.lookup_many(step[0], request).wait()  # a lookup, and the update of its rows
+        server.push(0, step[0], pushed)
+        step[0] += 1
+
+    return (
+        rows,
+        trainer_step,
+        functools.partial(server_step, request, pushed),
+        functools.partial(server_step, one_request, one_pushed),
+    )
+
+
+def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: int = 1) -> float:
+    """The median step of a real Trainer with LayerOffloadStrategy and ``servers`` servers, training a model of
+    tables with rows of ``dims`` values, of two rows each, both looked up at every step."""
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dynamix.strategies import LayerOffloadStrategy
+
+    class TwoRows(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tables = nn.ModuleList(nn.Embedding(2, dim) for dim in dims)
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def embedding_ids(self, batch: Any) -> dict[str, torch.Tensor]:
+            return {f"tables.{index}": batch[0] for index in range(len(dims))}
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return sum(table(batch[0]).sum() for table in self.tables) * self.scale
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class Steps(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    steps = Steps()
+    ids = torch.arange(2).repeat(_EMPTY_STEPS + 1)  # every batch: rows 0 and 1, on two servers, both
+    loader = DataLoader(TensorDataset(ids), batch_size=2)
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:  # a measurement, not a training run: its banner would only confuse
+            logger.setLevel(logging.WARNING)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = Trainer(
+                accelerator="cpu",
+                devices=1,
+                strategy=LayerOffloadStrategy(
+                    num_embedding_servers=servers, trainer_threads=trainer_threads, return_embeddings=False
+                ),
+                max_steps=_EMPTY_STEPS,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                callbacks=[steps],
+            )
+            trainer.fit(TwoRows(), loader)
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    intervals = [b - a for a, b in zip(steps.ends[_EMPTY_WARMUP:], steps.ends[_EMPTY_WARMUP + 1 :])]
+    return sorted(intervals)[len(intervals) // 2]
