@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-rows", type=int, default=2**21, help="the largest rows per table probed (default 2097152)"
     )
+    parser.add_argument(
+        "--servers", default="1,2", help="numbers of embedding servers of the speed set-ups (default 1,2)"
+    )
     parser.add_argument("--skip-memory", action="store_true", help="measure speed only")
     parser.add_argument("--skip-speed", action="store_true", help="measure memory only")
     parser.add_argument(
@@ -112,11 +115,23 @@ def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: 
     )
 
 
+def _setups(servers: str) -> list[tuple[str, int, int, int, int | str | None]]:
+    """The in-process set-up and the server set-ups with the numbers of servers listed in ``servers``."""
+    try:
+        counts = {int(n) for n in servers.split(",")}
+    except ValueError:
+        counts = set()
+    if not counts or not counts <= {1, 2}:
+        raise SystemExit(f"dynamix bench offload: `--servers` must list 1 and/or 2, got {servers!r}")
+    return [setup for setup in SETUPS if setup[1] == 0 or setup[1] in counts]
+
+
 def _speed(args: argparse.Namespace) -> dict[str, Any]:
-    steps: dict[str, list[float]] = {name: [] for name, *_ in SETUPS}
+    setups = _setups(args.servers)
+    steps: dict[str, list[float]] = {name: [] for name, *_ in setups}
     samples = args.batch_size * (args.steps + args.warmup + 1)
     for round_index in range(args.rounds):
-        order = SETUPS if round_index % 2 == 0 else SETUPS[::-1]
+        order = setups if round_index % 2 == 0 else setups[::-1]
         for name, servers, staleness, depth, threads in order:
             data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
             model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)

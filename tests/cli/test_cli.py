@@ -259,14 +259,14 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
 def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_allows(tmp_path):
     out = tmp_path / "offload.json"
     dynamix(
-        "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--batch-size", "64",
+        "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--batch-size", "64", "--servers", "2",
         "--max-rows", "32768", "--memory-budget-mib", "4096", "--output", str(out),
         cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert set(result["speed"]) == {"in-process"} | {
         f"{servers}{staleness}{pipelined}"
-        for servers in ("1 server", "2 servers")
+        for servers in ("2 servers",)  # the set-ups of the servers asked for
         for staleness in ("", ", staleness 1")
         for pipelined in ("", ", not pipelined", ", before")
     }
@@ -276,6 +276,8 @@ def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_a
         assert memory["largest_rows_per_table"] == 32768  # both probed sizes fit 4 GiB
         assert [p["rows"] for p in memory["probes"]] == [16384, 32768]
         assert all(p["peak_mib"] > 0 for p in memory["probes"])
+    with pytest.raises(AssertionError, match="`--servers` must list 1 and/or 2, got '3'"):
+        dynamix("bench", "offload", "--servers", "3", "--skip-memory", cwd=tmp_path)
 
 
 def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throughput_beside_the_predictions(
