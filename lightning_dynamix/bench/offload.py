@@ -29,6 +29,7 @@ from lightning_dynamix.bench.core import _config, _machine
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
+from lightning_dynamix.placement.runner import timed_trainer
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)
@@ -96,23 +97,6 @@ def _trainer(
             trainer_threads=torch.get_num_threads() if threads == ALL_CORES else threads,
         )
     return timed_trainer(strategy, steps, callbacks, accelerator)
-
-
-def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
-    """One device, ``steps`` training steps, and nothing else: no logger, checkpoint, validation or bar."""
-    return Trainer(
-        accelerator=accelerator,
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=callbacks,
-    )
 
 
 def _setups(servers: str) -> list[tuple[str, int, int, int, int | str | None]]:

@@ -39,12 +39,12 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.bench.offload import timed_trainer
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model, profile_runner
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS
+from lightning_dynamix.placement.runner import timed_trainer
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 GIB = 2**30

@@ -195,10 +195,30 @@ def _rows_passes(module: nn.Module, calls: list[Any]) -> tuple[dict[str, float],
     )
 
 
+def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Any:
+    """A Trainer for a measurement: one device, ``steps`` training steps, and nothing else (no logger,
+    checkpoint, validation or progress bar)."""
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
+
+
 def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: int = 1) -> float:
     """The lower quartile of the steps of a real Trainer with LayerOffloadStrategy and ``servers`` servers,
     training a model of tables with rows of ``dims`` values, of two rows each, both looked up at every step."""
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import Callback, LightningModule
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_dynamix.strategies import LayerOffloadStrategy
@@ -235,22 +255,10 @@ def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: i
             logger.setLevel(logging.WARNING)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = Trainer(
-                accelerator="cpu",
-                devices=1,
-                strategy=LayerOffloadStrategy(
-                    num_embedding_servers=servers, trainer_threads=trainer_threads, return_embeddings=False
-                ),
-                max_steps=_EMPTY_STEPS,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                num_sanity_val_steps=0,
-                limit_val_batches=0,
-                callbacks=[steps],
+            strategy = LayerOffloadStrategy(
+                num_embedding_servers=servers, trainer_threads=trainer_threads, return_embeddings=False
             )
-            trainer.fit(TwoRows(), loader)
+            timed_trainer(strategy, _EMPTY_STEPS, [steps]).fit(TwoRows(), loader)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
