@@ -2,6 +2,8 @@
 
 * RL and greedy against exact: held-out random problems (seeds the scheduler never trained on),
   the cost of each solver's plan over the optimum's;
+* the same on the DLRM example (35 layers profiled on this machine, the example catalogue), its
+  layers alone and with the runner's terms, at 10% to 95% of the most the catalogue reaches;
 * the dynamic programme's solve time on long chains (100 layers x 4 types by default).
 """
 
@@ -16,11 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.placement import InfeasibleError, solve_dp, solve_greedy
+from lightning_dynamix.bench.replan import CATALOGUE
+from lightning_dynamix.placement import (
+    CostModel,
+    InfeasibleError,
+    best_throughput,
+    load_catalogue,
+    profile_model,
+    profile_runner,
+    solve_dp,
+    solve_greedy,
+)
 from lightning_dynamix.placement.random_chains import random_problem
-from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
+from lightning_dynamix.placement.rl import RLScheduler, load_rl_scheduler, solve_rl
 
 HELD_OUT = 10_000_000  # training problems draw their seeds below 2**31 at random; these are fixed
+DLRM_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.95)  # of the most the catalogue reaches
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=int, default=32, help="sampled placements per RL solve (default 32)")
     parser.add_argument("--dp-layers", type=int, default=100, help="layers of the DP timing problems (default 100)")
     parser.add_argument("--dp-problems", type=int, default=20, help="DP timing problems (default 20)")
+    parser.add_argument("--skip-dlrm", action="store_true", help="leave out the DLRM example")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -62,6 +76,44 @@ def _gaps(args: argparse.Namespace) -> dict[str, Any]:
     } | {"skipped_infeasible_problems": skipped, "scheduler_training": scheduler.training}
 
 
+def _solve_gap(solve: Any, model: CostModel, best: float) -> float:
+    try:
+        return solve(model).cost_per_hour / best - 1
+    except InfeasibleError:
+        return math.inf
+
+
+def _dlrm(args: argparse.Namespace, scheduler: RLScheduler) -> list[dict[str, Any]]:
+    """RL and greedy against exact on the DLRM example, profiled here, at fractions of its best reachable target."""
+    from lightning_dynamix.data import CTRDataModule
+    from lightning_dynamix.data.dlrm import DLRM
+
+    data = CTRDataModule()
+    data.setup("fit")
+    loader = data.train_dataloader()
+    model = DLRM(table_sizes=data.spec.table_sizes)
+    layers = profile_model(model, next(iter(loader)))
+    profiles = {"layers alone": layers, "with the runner's terms": layers.with_runner(profile_runner(model, loader))}
+    resources = load_catalogue(CATALOGUE)
+    rows = []
+    for name, profile in profiles.items():
+        reach = best_throughput(CostModel(profile, resources, 1.0))
+        for fraction in DLRM_FRACTIONS:
+            problem = CostModel(profile, resources, fraction * reach, training_samples=len(loader.dataset))
+            best = solve_dp(problem).cost_per_hour
+            rows.append(
+                {
+                    "profile": name,
+                    "target": fraction * reach,
+                    "fraction_of_reach": fraction,
+                    "optimum_per_hour": best,
+                    "rl_gap": _solve_gap(lambda m: solve_rl(m, scheduler, samples=args.samples), problem, best),
+                    "greedy_gap": _solve_gap(solve_greedy, problem, best),
+                }
+            )
+    return rows
+
+
 def _dp_time(args: argparse.Namespace) -> dict[str, float]:
     times, index = [], 0
     while len(times) < args.dp_problems:
@@ -80,6 +132,8 @@ def run(args: argparse.Namespace) -> None:
     result = {"benchmark": "placement", "config": _config(args), "machine": _machine()}
     result["against_exact"] = _gaps(args)
     result["dp_solve_time"] = _dp_time(args)
+    if not args.skip_dlrm:
+        result["dlrm"] = _dlrm(args, load_rl_scheduler(args.scheduler))
     print(f"dynamix bench placement: {args.problems} held-out problems, 2-{args.max_layers} layers, {args.types} types")
     print(f"{'solver':>7}  {'within 1%':>9}  {'within 5%':>9}  {'median gap':>10}  {'infeasible':>10}")
     for name in ("rl", "greedy"):
@@ -93,5 +147,14 @@ def run(args: argparse.Namespace) -> None:
         f"exact DP, {args.dp_layers} layers x {args.types} types: median {timing['median_ms']:.1f} ms,"
         f" max {timing['max_ms']:.1f} ms over {args.dp_problems} problems (goal < 100 ms)"
     )
+    if not args.skip_dlrm:
+        rows = result["dlrm"]
+        within = sum(row["rl_gap"] <= 0.01 for row in rows)
+        print(f"DLRM example (35 layers, example catalogue): RL within 1% of the optimum at {within} of {len(rows)}")
+        for row in rows:
+            print(
+                f"  {row['profile']:>24}, {row['fraction_of_reach']:.0%} of reach ({row['target']:.4g} samples/s):"
+                f" optimum {row['optimum_per_hour']:.2f}/h, RL {row['rl_gap']:+.1%}, greedy {row['greedy_gap']:+.1%}"
+            )
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2, default=str))

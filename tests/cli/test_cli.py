@@ -300,6 +300,26 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
     assert row["requests_per_step"] == 2 + 2  # one lookup for all 26 tables and one push, per server
 
 
+def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains_and_the_dlrm_example(tmp_path):
+    out = tmp_path / "placement.json"
+    dynamix(
+        "bench", "placement", "--problems", "3", "--max-layers", "6", "--samples", "2", "--dp-layers", "10",
+        "--dp-problems", "2", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    for solver in ("rl", "greedy"):
+        row = result["against_exact"][solver]
+        assert row["problems"] + result["against_exact"]["skipped_infeasible_problems"] == 3
+        assert 0 <= row["within_1_percent"] <= row["within_5_percent"] <= 1
+    dlrm = result["dlrm"]
+    assert {row["profile"] for row in dlrm} == {"layers alone", "with the runner's terms"}
+    assert [row["fraction_of_reach"] for row in dlrm] == [0.1, 0.25, 0.5, 0.75, 0.95] * 2
+    for row in dlrm:  # no solver beats the exact optimum
+        assert row["optimum_per_hour"] > 0
+        assert float(row["rl_gap"]) >= -1e-9
+        assert float(row["greedy_gap"]) >= -1e-9
+
+
 # the layers alone: what a step of the strategy pays beside them is measured in one test only
 PLAN_ARGS = [
     "plan", "--model", "dlrm", "--resources", str(Path(__file__).parents[2] / "examples/placement/catalogue.yaml"),
