@@ -26,10 +26,9 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.bench.timing import StepTimer
+from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
-from lightning_dynamix.placement.runner import timed_trainer
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)

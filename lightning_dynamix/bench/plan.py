@@ -39,13 +39,13 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.bench.timing import StepTimer
+from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
 from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model, profile_runner
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS
-from lightning_dynamix.placement.runner import timed_trainer
 from lightning_dynamix.strategies import LayerOffloadStrategy
+from lightning_dynamix.strategies.layer_offload import threads_beside_servers
 
 GIB = 2**30
 
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> None:
     trainer_device, trainer_profile = ("cpu", "cpu") if args.accelerator == "cpu" else ("gpu", "cuda")
     devices = sorted({"cpu", trainer_profile})
     # the trainer's threads, profiled as it will train: the strategy leaves a core to each server it launches
-    threads = max(1, min(torch.get_num_threads(), len(os.sched_getaffinity(0)) - max(counts)))
+    threads = threads_beside_servers(max(counts))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -224,14 +224,7 @@ def run(args: argparse.Namespace) -> None:
         f" loopback {bandwidth / 1e9:.2f} GB/s; trainer threads {threads}"
     )
     if profile.runner is not None:
-        runner = profile.runner
-        print(
-            f"runner per step: loop and round trip {1e3 * runner.step_seconds:.2f} ms, batch"
-            f" {1e3 * runner.loader_seconds:.2f} ms, dense optimizer {1e3 * runner.optimizer_seconds:.2f} ms,"
-            f" a second server {1e3 * runner.request_seconds:.2f} ms; {sum(runner.rows.values()):.0f} rows at"
-            f" {1e6 * runner.trainer_row_seconds:.2f} us on the trainer and {1e6 * runner.server_row_seconds:.2f} us"
-            " on a server"
-        )
+        print(f"runner per step: {profile.runner.summary()}")
     print(
         f"{'servers':>7}  {'sequential':>10}  {'staleness 0':>11}  {'meas/pred':>9}"
         f"  {'pipelined':>10}  {'staleness 1':>11}  {'meas/pred':>9}  {'requests/step':>13}"

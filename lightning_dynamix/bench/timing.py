@@ -78,3 +78,21 @@ class StepTimer(Callback):
             RankTiming(rank, int(row[0]), int(row[1]), float(row[2]), float(row[3]))
             for rank, row in enumerate(r.tolist() for r in rows)
         ]
+
+
+def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
+    """A Trainer for a measurement: one device, ``steps`` training steps, and nothing else (no logger,
+    checkpoint, validation or progress bar)."""
+    return Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )

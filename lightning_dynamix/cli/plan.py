@@ -184,12 +184,7 @@ def _runner_line(profile: ModelProfile) -> str:
     runner = profile.runner
     if runner is None:
         return "  runner: not included (the layers alone are priced)"
-    return (
-        f"  runner, per step: loop and round trip {1e3 * runner.step_seconds:.2f} ms, batch"
-        f" {1e3 * runner.loader_seconds:.2f} ms, dense optimizer {1e3 * runner.optimizer_seconds:.2f} ms;"
-        f" {sum(runner.rows.values()):.0f} rows looked up per batch at {1e6 * runner.trainer_row_seconds:.2f} us each"
-        f" on the trainer and {1e6 * runner.server_row_seconds:.2f} us on a server"
-    )
+    return f"  runner, per step: {runner.summary()}"
 
 
 def _print_plan(plan: PlacementPlan, profile: Any) -> None:

@@ -58,6 +58,7 @@ class _Prefetch:
     answers: dict[int, torch.futures.Future]  # by server
     rows: torch.futures.Future
     leaves: dict[str, Tensor]
+    arrived: dict[str, Tensor] | None = None  # ``rows``' value, once the first table's forward waited for it
 
 
 class EmbeddingClient:
@@ -207,9 +208,11 @@ class EmbeddingClient:
         if expected.shape != ids.shape or not torch.equal(expected, ids):
             self.prefetch_misses += 1
             return None
-        for server, answer in entry.answers.items():
-            self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
-        rows = entry.rows.wait()[table].to(ids.device)
+        if entry.arrived is None:  # the first table of the step waits, once, for every server
+            for server, answer in entry.answers.items():
+                self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
+            entry.arrived = entry.rows.wait()
+        rows = entry.arrived[table].to(ids.device)
         if training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             if not entry.leaves:

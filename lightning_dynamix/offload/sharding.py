@@ -9,6 +9,8 @@ checkpoint re-shardable into any number of servers: the full table is the shards
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -125,15 +127,17 @@ class TablesRoute:
     ``base[t] + i``, each base a multiple of the number of servers, so an id's server is its row's),
     and deduplicates and groups the whole batch with a handful of tensor operations instead of a
     handful per table. The distinct ids come out ordered by table, then row: table ``t``'s rows are
-    the ``sizes[t]`` entries from ``starts[t]`` on.
+    the ``sizes[t]`` entries from ``starts[t]`` on. ``unique`` and ``inverse`` are kept per table
+    already (rows of its own table, positions among its own rows), so a table's share of them is a
+    view, not a computation, on every step.
 
     Attributes:
         tables: the tables, in the order of their blocks.
-        unique: the distinct ids of the batch (in the shared id space), ascending.
-        inverse: for every id of the batch (the tables' ids flattened, one after another), its position in ``unique``.
-        sizes, starts: per table, how many of ``unique`` are its rows and where they begin.
-        lengths, offsets: per table, how many ids of the batch are its and where they begin in ``inverse``.
-        bases: per table, the first id of its block.
+        unique: the distinct rows of the batch, each as a row of its own table: table by table, ascending.
+        inverse: for every id of the batch (the tables' ids flattened, one after another), its position
+            among its own table's entries of ``unique``.
+        sizes: per table, how many of ``unique`` are its rows.
+        lengths: per table, how many ids of the batch are its.
         shard_positions: per server, the positions in ``unique`` of the ids it holds (ordered by table).
         shard_rows: per server, per table it holds rows of, the local rows to fetch.
         shard_counts: per server, per table (in ``tables`` order), how many of its positions are the table's.
@@ -143,19 +147,24 @@ class TablesRoute:
     unique: torch.Tensor
     inverse: torch.Tensor
     sizes: tuple[int, ...]
-    starts: tuple[int, ...]
     lengths: tuple[int, ...]
-    offsets: tuple[int, ...]
-    bases: tuple[int, ...]
     shard_positions: tuple[torch.Tensor, ...]
     shard_rows: tuple[dict[str, torch.Tensor], ...]
     shard_counts: tuple[tuple[int, ...], ...]
 
+    @functools.cached_property
+    def _starts(self) -> tuple[int, ...]:  # where each table's entries of ``unique`` begin
+        return (0, *itertools.accumulate(self.sizes[:-1]))
+
+    @functools.cached_property
+    def _offsets(self) -> tuple[int, ...]:  # where each table's ids begin in ``inverse``
+        return (0, *itertools.accumulate(self.lengths[:-1]))
+
     def table(self, index: int) -> Route:
         """Table ``tables[index]``'s own distinct ids and inverse (its server grouping left empty)."""
-        start, size, offset = self.starts[index], self.sizes[index], self.offsets[index]
-        unique = self.unique[start : start + size] - self.bases[index]
-        inverse = self.inverse[offset : offset + self.lengths[index]] - start
+        start, offset = self._starts[index], self._offsets[index]
+        unique = self.unique[start : start + self.sizes[index]]
+        inverse = self.inverse[offset : offset + self.lengths[index]]
         return Route(unique, inverse, (), ())
 
     def assemble(self, answers: Sequence[dict[str, torch.Tensor]], dim: int) -> list[torch.Tensor]:
@@ -224,7 +233,9 @@ def route_tables(ids: dict[str, torch.Tensor], shardings: dict[str, RowSharding]
     unique, inverse = torch.unique(flat + bases[table_of_id], sorted=True, return_inverse=True)
     table_of = torch.searchsorted(bases, unique, right=True) - 1
     sizes = torch.bincount(table_of, minlength=len(tables))
-    local = (unique - bases[table_of]) // servers
+    starts = sizes.cumsum(0) - sizes
+    own_rows = unique - bases[table_of]  # each id as a row of its own table
+    local = own_rows // servers
     shard_of = unique % servers
     positions, shard_rows, shard_counts = [], [], []
     for server in range(servers):
@@ -235,19 +246,12 @@ def route_tables(ids: dict[str, torch.Tensor], shardings: dict[str, RowSharding]
         shard_rows.append(
             {table: part for table, part, count in zip(tables, local[where].split(counts), counts) if count}
         )
-    starts = sizes.cumsum(0) - sizes
-    offsets = [0]
-    for length in lengths[:-1]:
-        offsets.append(offsets[-1] + length)
     return TablesRoute(
         tables,
-        unique,
-        inverse,
+        own_rows,
+        inverse - starts[table_of_id],  # positions among its own table's rows
         tuple(sizes.tolist()),
-        tuple(starts.tolist()),
         lengths,
-        tuple(offsets),
-        tuple(bases.tolist()),
         tuple(positions),
         tuple(shard_rows),
         tuple(shard_counts),

@@ -95,6 +95,15 @@ class RunnerProfile:
     server_row_seconds: float = 0.0
     request_seconds: float = 0.0
 
+    def summary(self) -> str:
+        """The terms in one line, per step of :attr:`batch_size` samples (as ``dynamix plan`` prints them)."""
+        return (
+            f"loop and round trip {1e3 * self.step_seconds:.2f} ms, batch {1e3 * self.loader_seconds:.2f} ms,"
+            f" dense optimizer {1e3 * self.optimizer_seconds:.2f} ms, a second server {1e3 * self.request_seconds:.2f}"
+            f" ms; {sum(self.rows.values()):.0f} rows looked up per batch at {1e6 * self.trainer_row_seconds:.2f} us"
+            f" each on the trainer and {1e6 * self.server_row_seconds:.2f} us on a server"
+        )
+
     @property
     def fixed_seconds(self) -> float:
         """What every step pays whatever the placement: the empty step, the batch and the dense optimiser."""

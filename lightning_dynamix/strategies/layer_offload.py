@@ -200,8 +200,7 @@ class LayerOffloadStrategy(DDPStrategy):
     def _set_threads(self) -> None:
         threads = self.trainer_threads
         if threads is None and self.launch_servers and self.node_rank == 0:
-            cores = len(os.sched_getaffinity(0))
-            threads = min(torch.get_num_threads(), max(1, (cores - self.num_embedding_servers) // self.num_processes))
+            threads = threads_beside_servers(self.num_embedding_servers, self.num_processes)
         if threads is not None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
@@ -554,6 +553,14 @@ class LayerOffloadStrategy(DDPStrategy):
             cls,
             description="DDP for the dense layers with the embedding tables on CPU embedding servers",
         )
+
+
+def threads_beside_servers(servers: int, trainers: int = 1) -> int:
+    """torch's intra-op threads for each of ``trainers`` trainer processes on a machine that also runs
+    ``servers`` embedding servers: its cores less one per server, shared (at least 1, and never more
+    than this process has now). What ``LayerOffloadStrategy(trainer_threads=None)`` sets there."""
+    cores = len(os.sched_getaffinity(0))
+    return min(torch.get_num_threads(), max(1, (cores - servers) // trainers))
 
 
 class _ReadAhead:

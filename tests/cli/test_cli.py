@@ -297,6 +297,9 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
     assert [(s["resource"], s["units"]) for s in plan["stages"]] == [("embedding-server", 2), ("trainer", 1)]
     assert row["predicted_sequential_samples_per_s"] <= row["predicted_pipelined_samples_per_s"]
     assert row["measured_samples_per_s"] > 0
+    assert row["measured_staleness_1_samples_per_s"] > 0
+    assert plan["runner"] == result["runner"]  # the plan run is priced with the runner's terms measured here
+    assert result["runner"]["step_seconds"] > 0
     assert row["requests_per_step"] == 2 + 2  # one lookup for all 26 tables and one push, per server
 
 
