@@ -5,8 +5,9 @@ Two measurements, both of one trainer process on this machine:
 * speed: the median step time and samples/s of the DLRM example (26 Criteo-like tables), with the
   tables in the trainer (plain Lightning) and on 1 or 2 embedding servers at staleness 0 and 1,
   run back to back in rounds;
-* memory: for each set-up, the largest rows per table (26 tables, doubling) that trains within a
-  fixed budget of trainer memory (peak resident set size), each size probed in a fresh process.
+* memory: for the tables in the trainer and on each number of servers, the largest rows per table
+  (26 tables, doubling) that trains within a fixed budget of trainer memory (peak resident set
+  size), each size probed in a fresh process.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-rows", type=int, default=2**21, help="the largest rows per table probed (default 2097152)"
     )
     parser.add_argument(
-        "--servers", default="1,2", help="numbers of embedding servers of the speed set-ups (default 1,2)"
+        "--servers", default="1,2", help="numbers of embedding servers set up, for speed and memory (default 1,2)"
     )
     parser.add_argument("--skip-memory", action="store_true", help="measure speed only")
     parser.add_argument("--skip-speed", action="store_true", help="measure memory only")
@@ -98,19 +99,20 @@ def _trainer(
     return timed_trainer(strategy, steps, callbacks, accelerator)
 
 
-def _setups(servers: str) -> list[tuple[str, int, int, int, int | str | None]]:
-    """The in-process set-up and the server set-ups with the numbers of servers listed in ``servers``."""
+def _server_counts(servers: str) -> list[int]:
+    """The numbers of servers ``--servers`` lists."""
     try:
         counts = {int(n) for n in servers.split(",")}
     except ValueError:
         counts = set()
     if not counts or not counts <= {1, 2}:
         raise SystemExit(f"dynamix bench offload: `--servers` must list 1 and/or 2, got {servers!r}")
-    return [setup for setup in SETUPS if setup[1] == 0 or setup[1] in counts]
+    return sorted(counts)
 
 
 def _speed(args: argparse.Namespace) -> dict[str, Any]:
-    setups = _setups(args.servers)
+    counts = _server_counts(args.servers)
+    setups = [setup for setup in SETUPS if setup[1] == 0 or setup[1] in counts]
     steps: dict[str, list[float]] = {name: [] for name, *_ in setups}
     samples = args.batch_size * (args.steps + args.warmup + 1)
     for round_index in range(args.rounds):
@@ -170,7 +172,8 @@ def _peak_bytes(args: argparse.Namespace, rows: int, servers: int) -> int | None
 def _memory(args: argparse.Namespace) -> dict[str, Any]:
     budget = args.memory_budget_mib * 2**20
     results = {}
-    for name, servers in (("in-process", 0), ("1 server", 1), ("2 servers", 2)):
+    counts = _server_counts(args.servers)
+    for name, servers in [("in-process", 0)] + [(f"{n} server{'s' if n > 1 else ''}", n) for n in counts]:
         rows, largest, probes = 2**14, None, []
         while rows <= args.max_rows:
             peak = _peak_bytes(args, rows, servers)

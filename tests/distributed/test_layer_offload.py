@@ -44,8 +44,23 @@ def one_trainer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two_trainers(tmp_path_factory):
+    """2 trainers; their first fit meets 2 servers started with ``python -m lightning_dynamix.serve`` at
+    ``external.json``'s port, whose exit codes it keeps."""
     out = tmp_path_factory.mktemp("offload-2-trainers")
-    run_job("offload_job.py", 2, out, "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", cwd=out)
+    port = free_port()
+    command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]
+    servers = [
+        subprocess.Popen([*command, "--server-rank", str(s), "--num-servers", "2", "--num-trainers", "2"])
+        for s in range(2)
+    ]
+    try:
+        scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2"]
+        run_job("offload_job.py", 2, out, *scenarios, cwd=out)
+        codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
+    finally:
+        for server in servers:
+            server.kill()
+    (out / "external.json").write_text(json.dumps({"port": port, "exit_codes": codes}))
     return out
 
 
@@ -135,20 +150,10 @@ def test_resume_two_trainers_from_one_server_onto_two(two_trainers, job):
     assert_same(torch.load(two_trainers / "resume-sgd-1-2.pt"), reference(job, "sgd", 2))
 
 
-def test_servers_started_with_the_serve_command_train_the_same(tmp_path, job):
-    port = free_port()
-    command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]
-    servers = [
-        subprocess.Popen([*command, "--server-rank", str(s), "--num-servers", "2", "--num-trainers", "2"])
-        for s in range(2)
-    ]
-    try:
-        run_job("offload_job.py", 2, tmp_path, f"external-sgd-2-{port}", cwd=tmp_path)
-        assert [server.wait(timeout=30) for server in servers] == [0, 0]  # they stop with the job
-    finally:
-        for server in servers:
-            server.kill()
-    assert_same(torch.load(tmp_path / f"external-sgd-2-{port}.pt"), reference(job, "sgd", 2))
+def test_servers_started_with_the_serve_command_train_the_same(two_trainers, job):
+    external = json.loads((two_trainers / "external.json").read_text())
+    assert external["exit_codes"] == [0, 0]  # they stopped with the fit
+    assert_same(torch.load(two_trainers / f"external-sgd-2-{external['port']}.pt"), reference(job, "sgd", 2))
 
 
 def free_port() -> int:
