@@ -21,7 +21,11 @@ from lightning_dynamix.control import (
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader
 from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
+from lightning_dynamix.strategies import (
+    HeterogeneousDDPStrategy,
+    HeterogeneousLayerOffloadStrategy,
+    LayerOffloadStrategy,
+)
 
 __version__ = "0.1.0"
 
@@ -38,6 +42,7 @@ __all__ = [
     "HeterogeneousBatchSampler",
     "HeterogeneousDDPStrategy",
     "HeterogeneousDataLoader",
+    "HeterogeneousLayerOffloadStrategy",
     "LayerOffloadStrategy",
     "PIDController",
     "PreemptionCheckpoint",

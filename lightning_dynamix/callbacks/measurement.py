@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.loop import IntervalMeter, IntervalRecord, interval_metrics
 from lightning_dynamix.metrics import ClusterState
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
 
 __all__ = ["ClusterMetricsMonitor", "IntervalRecord"]
 
@@ -29,10 +29,15 @@ __all__ = ["ClusterMetricsMonitor", "IntervalRecord"]
 def _heterogeneous_strategy(trainer: Trainer, owner: str) -> HeterogeneousDDPStrategy:
     strategy = trainer.strategy
     if not isinstance(strategy, HeterogeneousDDPStrategy):
+        instead = (
+            "HeterogeneousLayerOffloadStrategy (strategy='heterogeneous_layer_offload'), which offloads the tables"
+            " the same way"
+            if isinstance(strategy, LayerOffloadStrategy)
+            else "Trainer(strategy='heterogeneous_ddp') (it also runs on a single device: devices=1)"
+        )
         raise MisconfigurationException(
             f"{owner} measures and resizes per-rank batches through HeterogeneousDDPStrategy, but the Trainer"
-            f" uses {type(strategy).__name__}, which cannot. Use Trainer(strategy='heterogeneous_ddp')"
-            " (it also runs on a single device: devices=1)."
+            f" uses {type(strategy).__name__}, which cannot. Use {instead}."
         )
     return strategy
 

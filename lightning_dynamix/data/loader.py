@@ -7,12 +7,15 @@ resumable position: the batches trained on, not the batches prefetched. It imple
 ``state_dict``/``load_state_dict``, which Lightning's fit loop saves into checkpoints.
 
 With a :class:`~lightning_dynamix.metrics.StepClock` in ``step_clock`` it also times how long
-training waited for each batch.
+training waited for each batch. With ``read_ahead`` it reads batches ahead of training and hands each
+to a function as it is read (``LayerOffloadStrategy`` asks for their embedding rows early); they
+count as handed out when training takes them, not when they are read.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import (
@@ -119,6 +122,9 @@ class HeterogeneousDataLoader(DataLoader):
         self._current_step = -1
         self._current_sizes: BatchSizes = ()
         self.step_clock: StepClock | None = None
+        self.read_ahead: tuple[int, Callable[[Any, int], None]] | None = None
+        """``(depth, on_read)``: batches are read ``depth`` ahead of training, and ``on_read(batch, ahead)``
+        is called as each is read (see :func:`iterate_ahead`); None (default): read as training takes them."""
         self.resume: Callable[[dict[str, Any]], None] | None = None
         """How :meth:`load_state_dict` loads a saved state (a strategy sets its resume policy here:
         the split of a job resumed on another number of ranks); default: the sampler's ``load_state_dict``."""
@@ -145,7 +151,10 @@ class HeterogeneousDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._current_step = -1
-        return _StepCountingIterator(self, super().__iter__())
+        batches: Iterator[Any] = super().__iter__()
+        if self.read_ahead is not None:  # beneath the counting: a batch read ahead is not handed out yet
+            batches = iterate_ahead(batches, *self.read_ahead)
+        return _StepCountingIterator(self, batches)
 
     def _record_step(self, step: int) -> None:
         self._current_step = step
@@ -178,6 +187,22 @@ class HeterogeneousDataLoader(DataLoader):
             self.resume(state_dict)
         else:
             self.batch_sampler.load_state_dict(state_dict)
+
+
+def iterate_ahead(batches: Iterable[Any], depth: int, on_read: Callable[[Any, int], None]) -> Iterator[Any]:
+    """``batches`` in order, each read ``depth`` batches before it is handed out.
+
+    ``on_read(batch, ahead)`` is called as a batch is read; ``ahead`` is how many batches read before it
+    are still to be handed out (the batch trained ``ahead`` steps after the one handed out last).
+    """
+    read: deque[Any] = deque()
+    for batch in batches:
+        on_read(batch, len(read))
+        read.append(batch)
+        if len(read) > depth:
+            yield read.popleft()
+    while read:
+        yield read.popleft()
 
 
 _PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)

@@ -15,7 +15,8 @@ All communication is ``torch.distributed.rpc``. A server that dies or stops answ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ class EmbeddingClient:
         self.prefetch_misses = 0  # lookups whose ids differed from the ids prefetched for their table
         self.prefetches_ahead = 0  # prefetches for a later step than the current one (pipelined lookups)
         self.closed = False
+        self.waited: Callable[[float, float], None] | None = None
+        """Told of every time a lookup waited for the servers' answer: ``(started, ended)``, ``perf_counter``
+        seconds (a heterogeneous strategy's step clock counts it as a wait, not the trainer's compute)."""
 
     def close(self) -> None:
         """The servers are stopping: any later use is an error that says so."""
@@ -209,9 +213,11 @@ class EmbeddingClient:
             self.prefetch_misses += 1
             return None
         if entry.arrived is None:  # the first table of the step waits, once, for every server
+            started = time.perf_counter()
             for server, answer in entry.answers.items():
                 self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
             entry.arrived = entry.rows.wait()
+            self._tell_waited(started)
         rows = entry.arrived[table].to(ids.device)
         if training and torch.is_grad_enabled():
             rows.requires_grad_(True)
@@ -239,25 +245,32 @@ class EmbeddingClient:
             if len(rows)
         }
         self.lookup_requests += len(futures)
+        started = time.perf_counter()
         values = [
             self._wait(server, remote.remote_lookup, futures[server])
             if server in futures
             else torch.empty((0, dim), dtype=torch.float32)
             for server in range(self.num_servers)
         ]
+        self._tell_waited(started)
         rows = plan.assemble(values).to(ids.device)
         if training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             self._recorded.append(_Lookup(table, plan, rows))
         return rows, plan
 
-    def push(self) -> bool:
-        """Send this step's row gradients to the servers (without waiting); False when there were none."""
+    def _tell_waited(self, started: float) -> None:
+        if self.waited is not None:
+            self.waited(started, time.perf_counter())
+
+    def push(self, weight: float | None = None) -> None:
+        """Send this step's row gradients to the servers (without waiting), to be multiplied by ``weight``
+        there (None: ``1 / trainers``, the mean DDP takes of the dense gradients). Every step is pushed,
+        one without rows too (a trainer that sat it out): the servers apply an update once every trainer
+        pushed it."""
         self._check_pushes()
         for step in [s for s in self._prefetched if s is None or s <= self.step]:
             del self._prefetched[step]  # rows prefetched for this step (or evaluation) and never looked up
-        if not self._recorded and not self._trained:
-            return False
         per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]
 
         def add(server: int, table: str, rows: Tensor, grads: Tensor) -> None:
@@ -286,9 +299,9 @@ class EmbeddingClient:
         self._trained.clear()
         for server, tables in enumerate(per_server):
             payload = {name: (torch.cat(rows), torch.cat(values)) for name, (rows, values) in tables.items()}
-            self._pushes.append((server, self._call(server, remote.remote_push, self.trainer_rank, self.step, payload)))
+            future = self._call(server, remote.remote_push, self.trainer_rank, self.step, payload, weight)
+            self._pushes.append((server, future))
         self.step += 1
-        return True
 
     def _check_pushes(self, wait: bool = False) -> None:
         pending = []

@@ -2,9 +2,12 @@
 
 Every trainer rank, at training step ``k``, looks up the rows its batch needs, computes, and then
 pushes the gradients of those rows (one push per server per step, covering every table it looked
-up). A server applies update ``k`` once every trainer has pushed step ``k``: the trainers'
-gradients are averaged, as DDP averages the dense ones, duplicate rows summed, and the sparse
-optimiser applied once per table.
+up), even a step with no rows (a trainer that sat the step out), with the weight of its gradients. A
+server applies update ``k`` once every trainer has pushed step ``k``: each trainer's gradients are
+multiplied by its weight and summed, duplicate rows too, and the sparse optimiser applied once per
+table. The weights are those of the dense gradients' all-reduce: ``1 / trainers`` (DDP's mean) by
+default, or, with per-rank batch sizes, the correction of a synchronisation window whose sizes changed
+(the trainer's share of the global batch is already in its gradients).
 
 ``staleness`` bounds how old the rows a lookup sees may be, as in PERSIA, and makes it exact, so
 a run is reproducible: a lookup for step ``k`` sees the table after update ``k - 1 - staleness``
@@ -94,6 +97,7 @@ class EmbeddingServer:
         self.applied = -1  # the last update applied
         self._pushes: dict[int, dict[int, Push]] = {}  # step -> trainer -> push
         self._pushed = [-1] * self.num_trainers  # the last step each trainer pushed
+        self._weights: dict[int, dict[int, float]] = {}  # step -> trainer -> weight of its push
         # update -> table -> (its rows, ascending; their values before it), while a lookup may need them
         self._overwritten: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: list[tuple[int, Future, str, torch.Tensor]] = []
@@ -136,7 +140,7 @@ class EmbeddingServer:
         if step is None:
             return values
         for update in range(self.applied, max(step - 1 - self.staleness, -1), -1):
-            changed, before = self._overwritten[update].get(table, (None, None))
+            changed, before = self._overwritten.get(update, {}).get(table, (None, None))  # an update may miss it
             if changed is None or not len(changed) or not len(rows):
                 continue
             where = torch.searchsorted(changed, rows).clamp_(max=len(changed) - 1)
@@ -154,8 +158,9 @@ class EmbeddingServer:
 
         return torch.futures.collect_all(futures).then(values)
 
-    def push(self, trainer: int, step: int, grads: Push) -> None:
-        """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order)."""
+    def push(self, trainer: int, step: int, grads: Push, weight: float | None = None) -> None:
+        """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order, each one, with
+        or without rows), multiplied by ``weight`` in the update: None for ``1 / num_trainers``."""
         with self._lock:
             if not 0 <= trainer < self.num_trainers:
                 raise ValueError(f"push from trainer {trainer}; this server serves {self.num_trainers} trainers")
@@ -166,6 +171,7 @@ class EmbeddingServer:
             for name in grads:
                 self._table(name)
             self._pushes.setdefault(step, {})[trainer] = grads
+            self._weights.setdefault(step, {})[trainer] = 1.0 / self.num_trainers if weight is None else weight
             self._pushed[trainer] = step
             self._advance()
 
@@ -207,18 +213,21 @@ class EmbeddingServer:
         self._flushes = flushes
 
     def _apply(self, step: int) -> None:
-        pushes = self._pushes.pop(step)
-        ordered = [pushes[trainer] for trainer in range(self.num_trainers)]  # a fixed order: reproducible sums
-        for name in sorted({name for push in ordered for name in push}):
+        pushes, weights = self._pushes.pop(step), self._weights.pop(step)
+        ordered = [(pushes[trainer], weights[trainer]) for trainer in range(self.num_trainers)]  # reproducible sums
+        common = weights[0] if len(set(weights.values())) == 1 else None  # one multiplication of the sum
+        for name in sorted({name for push, _ in ordered for name in push}):
             shard = self.tables[name]
-            rows = torch.cat([push[name][0] for push in ordered if name in push])
-            grads = torch.cat([push[name][1] for push in ordered if name in push])
+            taken = [(push[name], weight) for push, weight in ordered if name in push]
+            rows = torch.cat([rows for (rows, _), _ in taken])
+            grads = torch.cat([grads if common is not None else grads * weight for (_, grads), weight in taken])
             unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
             summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
+            if common is not None and common != 1.0:
+                summed.mul_(common)
             if self.staleness:  # a lookup may still ask for the table before this update
                 self._overwritten.setdefault(step, {})[name] = (unique, shard.lookup(unique))
-            # each trainer's gradient is of its own mean loss; DDP averages the dense ones likewise
-            shard.update(unique, summed / self.num_trainers)
+            shard.update(unique, summed)
         self.applied = step
 
     def _table(self, name: str) -> TableShard:
@@ -330,8 +339,8 @@ def remote_lookup_many(step: int | None, requests: dict[str, torch.Tensor]) -> F
     return _server().lookup_many(step, requests)
 
 
-def remote_push(trainer: int, step: int, grads: Push) -> None:
-    _server().push(trainer, step, grads)
+def remote_push(trainer: int, step: int, grads: Push, weight: float | None) -> None:
+    _server().push(trainer, step, grads, weight)
 
 
 @torch.distributed.rpc.functions.async_execution

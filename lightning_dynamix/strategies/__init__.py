@@ -1,6 +1,6 @@
 """Lightning strategies; importing this package registers their names with Lightning."""
 
 from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
-from lightning_dynamix.strategies.layer_offload import LayerOffloadStrategy
+from lightning_dynamix.strategies.layer_offload import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
-__all__ = ["HeterogeneousDDPStrategy", "LayerOffloadStrategy"]
+__all__ = ["HeterogeneousDDPStrategy", "HeterogeneousLayerOffloadStrategy", "LayerOffloadStrategy"]

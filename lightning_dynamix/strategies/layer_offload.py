@@ -28,6 +28,11 @@ is read one batch ahead, and the rows of step ``t + 1`` are asked for while step
 servers answer them with the version of the tables that step must see (after update ``t`` with
 ``staleness=0``, so training stays exact; after update ``t - 1`` with ``staleness=1``, which they
 have at once), and the rows are assembled as they arrive, beside the trainer's compute.
+
+:class:`HeterogeneousLayerOffloadStrategy` is the same with a batch size per trainer rank, as
+:class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy` gives them: each trainer's row
+gradients carry its share of the global batch, as its dense gradients do, and the servers sum them,
+so training stays exact; ``DynamixCallback`` balances its trainers.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,14 +60,18 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int
-from lightning_dynamix.distributed import let_backend_threads_finish
+from lightning_dynamix.data import EmptyBatch, HeterogeneousDataLoader
+from lightning_dynamix.data.loader import iterate_ahead
+from lightning_dynamix.distributed import LossReduction, let_backend_threads_finish
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
 from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, RemoteTable, remote_module
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 from lightning_dynamix.placement import PlacementPlan
+from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
 
 STRATEGY_NAME = "layer_offload"
+HETEROGENEOUS_STRATEGY_NAME = "heterogeneous_layer_offload"
 CHECKPOINT_KEY = "embedding_servers"
 _SERVER_EXIT_WAIT_S = 30.0
 
@@ -95,9 +103,10 @@ class LayerOffloadStrategy(DDPStrategy):
             trainer (the checkpoint holds them).
         prefetch_depth: training batches read ahead, whose rows are asked for while the steps before
             them run (their lookups then overlap the trainer's compute). Needs the LightningModule's
-            ``embedding_ids``, and a DataLoader that keeps no state of what it handed out (a stateful
-            loader or batch sampler, such as ``HeterogeneousDataLoader``'s, would count the batch read ahead
-            as trained). 0 looks each step up when it starts. None (default): 1 where both hold, else 0.
+            ``embedding_ids``, one optimizer step per batch (no ``accumulate_grad_batches``), and a
+            DataLoader that keeps no state of what it handed out (a stateful loader or batch sampler would
+            count the batch read ahead as trained), or a ``HeterogeneousDataLoader``, which reads ahead
+            beneath its count. 0 looks each step up when it starts. None (default): 1 where all hold, else 0.
         trainer_threads: torch's intra-op threads in each trainer process while it trains. None
             (default): on the machine that runs the launched servers, at most its cores less one per
             server, shared by its trainers (at least 1), so the servers have cores of their own (idle
@@ -181,6 +190,7 @@ class LayerOffloadStrategy(DDPStrategy):
         self._set_threads()
         self._start_rpc()
         self._client = EmbeddingClient(self.global_rank, self.num_embedding_servers, self._timeout.total_seconds())
+        self._client.waited = self._waited_for_servers
         self._remote = {name: remote_module(self._client, name, embedding) for name, embedding in targets.items()}
         for name, stand_in in self._remote.items():
             _set_submodule(module, name, stand_in)
@@ -311,7 +321,7 @@ class LayerOffloadStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._client is not None
-        self._client.push()
+        self._client.push(self._row_gradient_weight())
         if self._client.prefetch_misses and not self._misses_warned:
             self._misses_warned = True
             warnings.warn(
@@ -322,10 +332,21 @@ class LayerOffloadStrategy(DDPStrategy):
             )
         return output
 
+    def _waited_for_servers(self, started: float, ended: float) -> None:
+        """A lookup waited for the servers from ``started`` to ``ended`` (``perf_counter`` seconds)."""
+
+    def _row_gradient_weight(self) -> float | None:
+        """What the servers multiply this trainer's row gradients by: None for ``1 / trainers``, the mean DDP
+        takes of the dense gradients."""
+        return None
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         depth = self._read_ahead_depth(dataloader)
+        if isinstance(dataloader, HeterogeneousDataLoader):
+            dataloader.read_ahead = (depth, self._prefetch_batch) if depth else None
+            return dataloader
         return _ReadAhead(dataloader, depth, self) if depth else dataloader
 
     def _read_ahead_depth(self, dataloader: object) -> int:
@@ -337,7 +358,18 @@ class LayerOffloadStrategy(DDPStrategy):
         reasons = []
         if not hasattr(module, "embedding_ids"):
             reasons.append(f"{type(module).__name__} defines no `embedding_ids(batch)` naming the ids of a batch")
-        for part in (dataloader, getattr(dataloader, "batch_sampler", None)):
+        if trainer.accumulate_grad_batches != 1:
+            reasons.append(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} trains several batches per optimizer"
+                " step, and reading ahead asks for a batch's rows by its optimizer step"
+            )
+        # a HeterogeneousDataLoader reads ahead beneath its count of the batches handed out
+        parts = (
+            ()
+            if isinstance(dataloader, HeterogeneousDataLoader)
+            else (dataloader, getattr(dataloader, "batch_sampler", None))
+        )
+        for part in parts:
             if hasattr(part, "state_dict") and hasattr(part, "load_state_dict"):
                 reasons.append(
                     f"the training dataloader's {type(part).__name__} keeps a state of the batches it handed out,"
@@ -383,8 +415,8 @@ class LayerOffloadStrategy(DDPStrategy):
         module = self.lightning_module
         hook = getattr(module, "embedding_ids", None)
         training = bool(self._remote) and next(iter(self._remote.values())).training
-        if hook is None or self._client is None or (ahead and not training):
-            return
+        if hook is None or self._client is None or (ahead and not training) or isinstance(batch, EmptyBatch):
+            return  # a rank that sits a step out looks nothing up
         ids = hook(batch)
         if not isinstance(ids, Mapping):
             raise TypeError(
@@ -571,14 +603,7 @@ class _ReadAhead:
         self.dataloader, self.depth, self.strategy = dataloader, depth, strategy
 
     def __iter__(self) -> Iterator[Any]:
-        read: deque[Any] = deque()
-        for batch in self.dataloader:
-            self.strategy._prefetch_batch(batch, len(read))
-            read.append(batch)
-            if len(read) > self.depth:
-                yield read.popleft()
-        while read:
-            yield read.popleft()
+        return iterate_ahead(self.dataloader, self.depth, self.strategy._prefetch_batch)
 
     def __len__(self) -> int:
         return len(self.dataloader)
@@ -673,4 +698,108 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class HeterogeneousLayerOffloadStrategy(LayerOffloadStrategy, HeterogeneousDDPStrategy):
+    """:class:`LayerOffloadStrategy` with a batch size per trainer rank, changeable at any step.
+
+    The trainer ranks train as :class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy` trains its
+    ranks (one global schedule of per-rank batches, a rank with 0 samples sitting the step out): each
+    trainer's gradients, the dense ones and its tables' rows alike, carry its share of the global batch,
+    the dense ones are summed by the weighted all-reduce and the rows by the servers, so training is exactly
+    that of one process on the global batch. ``DynamixCallback`` measures and resizes the trainers as it
+    does any heterogeneous job; the embedding servers take no batch.
+
+    Args:
+        batch_sizes: one initial batch size per trainer rank (``devices * num_nodes`` of them); default the
+            training DataLoader's ``batch_size`` on every trainer.
+        min_batch_size, max_batch_size, loss_reduction, shuffle, seed, drop_last: as for
+            :class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy`.
+        num_embedding_servers, offload, sparse_optimizer, sparse_optimizer_args, staleness, launch_servers,
+            server_port, return_embeddings, prefetch_depth, trainer_threads: as for :class:`LayerOffloadStrategy`
+            (pipelined lookups read the heterogeneous DataLoader ahead).
+        **ddp_kwargs: Lightning's ``DDPStrategy`` arguments, except a communication hook of its own.
+
+    Raises:
+        MisconfigurationException: at set-up, before any server starts, for a number of ``batch_sizes``
+            other than the number of trainer ranks; the rest as both strategies raise.
+    """
+
+    strategy_name = HETEROGENEOUS_STRATEGY_NAME
+
+    def __init__(
+        self,
+        batch_sizes: Sequence[int] | None = None,
+        num_embedding_servers: int | None = None,
+        offload: str | Sequence[str] | PlacementPlan = "auto",
+        sparse_optimizer: str | SparseRowOptimizer | None = None,
+        sparse_optimizer_args: Mapping[str, Any] | None = None,
+        staleness: int = 0,
+        launch_servers: bool = True,
+        server_port: int | None = None,
+        return_embeddings: bool = True,
+        prefetch_depth: int | None = None,
+        trainer_threads: int | None = None,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        loss_reduction: LossReduction = "mean",
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        super().__init__(
+            num_embedding_servers=num_embedding_servers,
+            offload=offload,
+            sparse_optimizer=sparse_optimizer,
+            sparse_optimizer_args=sparse_optimizer_args,
+            staleness=staleness,
+            launch_servers=launch_servers,
+            server_port=server_port,
+            return_embeddings=return_embeddings,
+            prefetch_depth=prefetch_depth,
+            trainer_threads=trainer_threads,
+            batch_sizes=batch_sizes,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            loss_reduction=loss_reduction,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            **ddp_kwargs,
+        )
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        sizes = self._batch_sizes
+        if sizes is not None and len(sizes) != self.world_size:
+            raise MisconfigurationException(
+                f"`batch_sizes` {list(sizes)} gives {len(sizes)} trainer ranks a size, but the Trainer has"
+                f" {self.world_size} (devices x num_nodes); give one size per trainer rank (the embedding servers"
+                " take no batch)"
+            )
+        super().setup(trainer)
+
+    @override
+    def _waited_for_servers(self, started: float, ended: float) -> None:
+        # the servers answer once every trainer pushed the update the lookup must see: a wait for the other
+        # trainers (and the servers), which the step clock must not count as this trainer's compute
+        if self._step_clock is not None and self._in_training_step:
+            self._step_clock.collective(started, ended)
+
+    @override
+    def _row_gradient_weight(self) -> float | None:
+        # the trainer's share of the global batch is in its gradients already (the factor on its loss's
+        # gradient); the all-reduce multiplies the dense ones by the window's correction and sums: so do the servers
+        return self._hook_state.weight
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            HETEROGENEOUS_STRATEGY_NAME,
+            cls,
+            description="LayerOffloadStrategy with a batch size per trainer rank and exactly weighted gradients",
+        )
+
+
 LayerOffloadStrategy.register_strategies(StrategyRegistry)
+HeterogeneousLayerOffloadStrategy.register_strategies(StrategyRegistry)

@@ -54,7 +54,8 @@ def two_trainers(tmp_path_factory):
         for s in range(2)
     ]
     try:
-        scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2"]
+        scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
+        scenarios.append("balance-sgd-1")
         run_job("offload_job.py", 2, out, *scenarios, cwd=out)
         codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
     finally:
@@ -148,6 +149,30 @@ def test_resume_from_two_servers_onto_three_continues_identically(one_trainer, j
 
 def test_resume_two_trainers_from_one_server_onto_two(two_trainers, job):
     assert_same(torch.load(two_trainers / "resume-sgd-1-2.pt"), reference(job, "sgd", 2))
+
+
+def test_trainers_of_changing_sizes_sitting_steps_out_in_turn_train_exactly_like_one_process(two_trainers, job):
+    # the global batch stays 2 x 16: one process on it is the same reference as for equal trainers
+    assert_same(torch.load(two_trainers / "sizes-adagrad-2.pt"), reference(job, "adagrad", 2))
+    ranks = [json.loads((two_trainers / f"sizes-adagrad-2-rank{rank}.json").read_text()) for rank in range(2)]
+    sizes = ranks[0]["sizes"]
+    assert sizes == ranks[1]["sizes"]  # the trainers agree on every step's sizes
+    assert len(sizes) == job.STEPS_PER_EPOCH * job.EPOCHS
+    assert all(sum(step) == 2 * job.BATCH for step in sizes)
+    assert {(24, 8), (8, 24), (32, 0), (0, 32), (20, 12)} <= {tuple(step) for step in sizes}
+    epochs = [sizes[start : start + job.STEPS_PER_EPOCH] for start in range(0, len(sizes), job.STEPS_PER_EPOCH)]
+    for rank, counts in enumerate(ranks):
+        assert counts["misses"] == 0, counts
+        # a step's rows are asked for while the step before runs, but at an epoch's start and where it sits out
+        assert counts["ahead"] == sum(1 for epoch in epochs for step in epoch[1:] if step[rank]), (rank, counts)
+
+
+def test_dynamix_balances_the_trainers_of_an_offloaded_model_and_training_stays_exact(two_trainers, job):
+    assert_same(torch.load(two_trainers / "balance-sgd-1.pt"), reference(job, "sgd", 2))
+    sizes = json.loads((two_trainers / "balance-sgd-1-rank0.json").read_text())["sizes"]
+    assert sizes[0] == [job.BATCH, job.BATCH]
+    assert sizes[-1][0] > sizes[-1][1]  # trainer 1, 4 times slower, was given fewer samples
+    assert all(sum(step) == 2 * job.BATCH for step in sizes)  # pid keeps the global batch
 
 
 def test_servers_started_with_the_serve_command_train_the_same(two_trainers, job):

@@ -224,6 +224,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dynamix report dynamix_runs/accelerate": _accelerate_report,
     "dynamix report dynamix_runs/callback": _contains("2 ranks", "dynamix_report.png"),
     "dynamix report dynamix_runs/cli": _contains("2 ranks", "dynamix_report.png"),
+    "dynamix report dynamix_runs/offload": _rank_zero_got_more(r"batch sizes \[\d+, \d+\] -> \[(\d+, \d+)\]"),
     "dynamix report dynamix_runs/demo/logs": _contains("logs/pid/metrics.csv", "logs/static/metrics.csv"),
     "dynamix simulate --nodes 8 --scenarios 2 --controllers static,pid,goodput,ppo": _contains(
         "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png"

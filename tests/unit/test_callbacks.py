@@ -86,6 +86,11 @@ def test_callbacks_refuse_a_strategy_that_cannot_resize_batches(callback):
         trainer([callback], strategy="auto").fit(model())
 
 
+def test_callbacks_point_an_offload_job_to_the_offload_strategy_with_per_rank_sizes():
+    with pytest.raises(MisconfigurationException, match="strategy='heterogeneous_layer_offload'"):
+        trainer([DynamixCallback()], strategy="layer_offload").fit(model())
+
+
 def test_callback_bounds_outside_the_strategy_bounds_fail_at_set_up():
     with pytest.raises(MisconfigurationException, match="above the strategy's max_batch_size=32"):
         trainer([DynamixCallback(max_batch_size=64)], strategy=HeterogeneousDDPStrategy(max_batch_size=32)).fit(model())

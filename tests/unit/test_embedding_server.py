@@ -17,8 +17,10 @@ def server(num_trainers: int = 1, staleness: int = 0) -> EmbeddingServer:
     return s
 
 
-def push(s: EmbeddingServer, trainer: int, step: int, row: int = 0, value: float = 1.0) -> None:
-    s.push(trainer, step, {"t": (torch.tensor([row]), torch.full((1, DIM), value))})
+def push(
+    s: EmbeddingServer, trainer: int, step: int, row: int = 0, value: float = 1.0, weight: float | None = None
+) -> None:
+    s.push(trainer, step, {"t": (torch.tensor([row]), torch.full((1, DIM), value))}, weight)
 
 
 def looked_up(s: EmbeddingServer, step: int | None, row: int = 0):
@@ -35,6 +37,25 @@ def test_synchronous_lookup_waits_for_every_trainers_push_and_sees_their_mean():
     push(s, 1, 0, value=3.0)
     assert waiting.done()
     assert float(waiting.value()[0, 0]) == -2.0  # minus the mean of 1 and 3, at lr 1
+
+
+def test_trainers_gradients_are_summed_with_their_weights_and_a_step_without_rows_counts_as_pushed():
+    # per-trainer batch sizes: each trainer's gradient carries its share, the server sums with the window's weight
+    s = server(num_trainers=2, staleness=1)
+    push(s, 0, 0, value=1.0, weight=1.0)
+    push(s, 1, 0, value=3.0, weight=1.0)
+    assert looked_up(s, 2) == -4.0
+    push(s, 0, 1, value=1.0, weight=0.5)  # a window whose sizes changed: its correction
+    push(s, 1, 1, value=3.0, weight=0.25)
+    assert looked_up(s, 3) == -5.25
+    push(s, 0, 2, value=2.0, weight=1.0)
+    s.push(1, 2, {}, 1.0)  # trainer 1 sat step 2 out: no rows, but the step is pushed
+    assert s.applied == 2
+    assert looked_up(s, 4) == -7.25
+    assert looked_up(s, 3) == -5.25  # rolled back over an update that did not touch every table
+    s.push(0, 3, {}, 1.0)
+    s.push(1, 3, {}, 1.0)  # a step that changed no table
+    assert (s.applied, looked_up(s, 4), looked_up(s, 5)) == (3, -7.25, -7.25)
 
 
 def test_staleness_one_answers_with_the_version_a_step_must_see_never_a_later_one():

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynamix.offload import RowAdagrad, RowSGD, sparse_counterpart
-from lightning_dynamix.strategies import LayerOffloadStrategy
+from lightning_dynamix.strategies import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
 
 @pytest.mark.parametrize(
@@ -37,9 +37,22 @@ def test_bad_arguments_are_refused_at_construction(kwargs, message):
         LayerOffloadStrategy(**kwargs)
 
 
-def test_the_strategy_is_registered_by_name():
-    trainer = Trainer(strategy="layer_offload", accelerator="cpu", devices=1, logger=False)
-    assert isinstance(trainer.strategy, LayerOffloadStrategy)
+def test_bad_arguments_of_either_half_are_refused_by_the_heterogeneous_strategy_too():
+    with pytest.raises(ValueError, match="`staleness` must be an int >= 0, got -1"):
+        HeterogeneousLayerOffloadStrategy(staleness=-1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        HeterogeneousLayerOffloadStrategy(batch_sizes=[4, "8"])
+    with pytest.raises(ValueError, match="`ddp_comm_hook` is not supported"):
+        HeterogeneousLayerOffloadStrategy(ddp_comm_hook=lambda state, bucket: None)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [("layer_offload", LayerOffloadStrategy), ("heterogeneous_layer_offload", HeterogeneousLayerOffloadStrategy)],
+)
+def test_the_strategies_are_registered_by_name(name, kind):
+    trainer = Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is kind
 
 
 def test_sparse_counterpart_mirrors_sgd_and_adagrad_and_refuses_the_rest():
@@ -69,18 +82,30 @@ class Model(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def fit(model: LightningModule, loader: DataLoader | None = None, **kwargs) -> None:
+def fit(
+    model: LightningModule,
+    loader: DataLoader | None = None,
+    strategy: type[LayerOffloadStrategy] = LayerOffloadStrategy,
+    max_steps: int = 1,
+    accumulate_grad_batches: int = 1,
+    **kwargs,
+) -> LayerOffloadStrategy:
     trainer = Trainer(
-        strategy=LayerOffloadStrategy(**kwargs),
+        strategy=strategy(**kwargs),
         accelerator="cpu",
         devices=1,
-        max_steps=1,
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate_grad_batches,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, loader or DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+    try:
+        trainer.fit(model, loader or DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+    finally:
+        assert not trainer.strategy._servers  # stopped, or never started
+    return trainer.strategy
 
 
 @pytest.mark.parametrize(
@@ -118,6 +143,21 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=sampler)
     with pytest.raises(MisconfigurationException, match=r"CountingSampler keeps a state of the batches it handed"):
         fit(WithIds(), loader, prefetch_depth=1)
+    # several batches per optimizer step: a batch read ahead would be asked for as the next step's
+    with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches=2 trains several batches"):
+        fit(WithIds(), prefetch_depth=1, accumulate_grad_batches=2)
+    fit(WithIds(), max_steps=4, accumulate_grad_batches=2)  # unset: left off, and training goes on
+    # the heterogeneous strategy's own DataLoader counts the batches it hands out, not those read ahead
+    loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
+    strategy = fit(WithIds(), loader, strategy=HeterogeneousLayerOffloadStrategy, max_steps=2, prefetch_depth=1)
+    sampler = strategy.train_batch_sampler
+    assert (sampler._produced, sampler.state_dict()["step"]) == (3, 2)  # a resumed run trains the third batch read
+
+
+def test_heterogeneous_trainer_sizes_are_one_per_trainer_rank_checked_before_any_server_starts():
+    with pytest.raises(MisconfigurationException, match=r"`batch_sizes` \[6, 4\] gives 2 trainer ranks a size, but"
+                       r" the Trainer has 1"):  # fmt: skip
+        fit(Model(), strategy=HeterogeneousLayerOffloadStrategy, batch_sizes=[6, 4])
 
 
 def test_a_trainer_leaves_a_core_to_each_server_it_launched_and_gets_its_threads_back():

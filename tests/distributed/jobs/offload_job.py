@@ -9,6 +9,11 @@ writes the whole trained model (the tables come back from the servers at the end
 then a second Trainer resumes it on NEW servers. ``external-OPTIMIZER-SERVERS-PORT``: the servers
 were started with ``python -m lightning_dynamix.serve`` at PORT. ``kill``: server 1 is killed at step 3; the job
 must fail (with the server pids in ``OUT/kill-pids.txt``).
+
+With HeterogeneousLayerOffloadStrategy (a batch size per trainer, the global batch kept at 16 per trainer, so
+the same batches as above): ``sizes-OPTIMIZER-SERVERS`` resizes the trainers at set steps, a trainer sitting
+steps out among them (``SIZES``); ``balance-OPTIMIZER-SERVERS``: DynamixCallback's PID controller balances
+trainer 1 made 4 times slower by the emulator. Both write every rank's lookups and the sizes it trained.
 """
 
 from __future__ import annotations
@@ -24,13 +29,16 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
+from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data import CTRSpec, SyntheticCTRDataset
-from lightning_dynamix.strategies import LayerOffloadStrategy
+from lightning_dynamix.strategies import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
 ROOT = Path(__file__).resolve().parents[3]
 TABLE_SIZES = (50, 200, 1000, 7, 3000)
 BATCH, STEPS_PER_EPOCH, EPOCHS = 16, 10, 2
 LR = {"sgd": 0.5, "adagrad": 0.05}
+# sizes-*: the trainers' sizes set after so many steps (from the first step not read yet); 0 sits a step out
+SIZES = {0: [24, 8], 3: [8, 24], 6: [32, 0], 8: [0, 32], 9: [32, 0], 12: [20, 12]}
 
 
 def load_dlrm():
@@ -80,7 +88,16 @@ class KillServer(Callback):
 
 
 class LookupCounts(Callback):
-    """What the trainer's lookups did: prefetches for later steps (pipelined), misses, requests."""
+    """What the trainer's lookups did: prefetches for later steps (pipelined), misses, requests; and, with
+    per-trainer sizes, the sizes of every step trained."""
+
+    def __init__(self) -> None:
+        self.sizes = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        current = getattr(trainer.strategy, "current_batch_sizes", None)
+        if current is not None:
+            self.sizes.append(list(current))
 
     def on_train_end(self, trainer, pl_module) -> None:
         client = trainer.strategy.client
@@ -88,17 +105,28 @@ class LookupCounts(Callback):
             "ahead": client.prefetches_ahead,
             "misses": client.prefetch_misses,
             "requests": client.lookup_requests,
+            "sizes": self.sizes,
         }
+
+
+class Resize(Callback):
+    """Sets :data:`SIZES` on every trainer (a collective) after as many steps as their key."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        sizes = SIZES.get(trainer.global_step)
+        if sizes is not None and trainer.global_step:
+            trainer.strategy.set_batch_sizes(sizes)
 
 
 def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int, out: Path, **kwargs):
     callbacks = kwargs.pop("callbacks", [])
     ckpt_path = kwargs.pop("ckpt_path", None)
+    strategy = HeterogeneousLayerOffloadStrategy if "batch_sizes" in kwargs else LayerOffloadStrategy
     model = make_model(optimizer)
     trainer = Trainer(
         accelerator="cpu",
         devices=trainers,
-        strategy=LayerOffloadStrategy(num_embedding_servers=servers, staleness=staleness, **kwargs),
+        strategy=strategy(num_embedding_servers=servers, staleness=staleness, **kwargs),
         max_epochs=epochs,
         logger=False,
         enable_checkpointing=bool([c for c in callbacks if isinstance(c, ModelCheckpoint)]),
@@ -123,6 +151,19 @@ def main() -> None:
             _, optimizer, servers, port = scenario.split("-")
             kwargs = {"launch_servers": False, "server_port": int(port)}
             trainer, model = fit(trainers, optimizer, int(servers), 0, EPOCHS, out, **kwargs)
+        elif scenario.startswith(("sizes-", "balance-")):
+            kind, optimizer, servers = scenario.split("-")
+            counts = LookupCounts()
+            if kind == "sizes":
+                callbacks, kwargs = [Resize(), counts], {"batch_sizes": SIZES[0], "min_batch_size": 0}
+            else:
+                dynamix = DynamixCallback("pid", interval=3, warmup_steps=2, gradient_noise_scale=False)
+                callbacks = [HeterogeneityEmulator([1.0, 4.0]), dynamix, counts]
+                kwargs = {"batch_sizes": [BATCH] * trainers, "min_batch_size": 4}
+            trainer, model = fit(
+                trainers, optimizer, int(servers), 0, EPOCHS, out, callbacks=callbacks, shuffle=False, **kwargs
+            )
+            (out / f"{scenario}-rank{trainer.global_rank}.json").write_text(json.dumps(counts.counts))
         elif scenario.startswith("resume-"):
             _, optimizer, old, new = scenario.split("-")
             checkpoints = out / scenario
