@@ -84,6 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# A server needs torch and lightning_dynamix.offload only, but importing any module of the package runs its
+# __init__, which imports Lightning for the trainers (2 s of a server's 3 s start on the 2-core VM). The
+# servers a strategy launches import this module beneath a bare stand-in for the package instead.
+_BOOTSTRAP = (
+    "import importlib.util, runpy, sys, types\n"
+    "package = types.ModuleType('lightning_dynamix')\n"
+    "package.__path__ = list(importlib.util.find_spec('lightning_dynamix').submodule_search_locations)\n"
+    "sys.modules['lightning_dynamix'] = package\n"
+    "runpy.run_module('lightning_dynamix.serve', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def server_command(*args: str) -> list[str]:
+    """The command that starts a server as ``python -m lightning_dynamix.serve ARGS`` does, without importing
+    Lightning (it starts in about 1 s instead of 3)."""
+    return [sys.executable, "-c", _BOOTSTRAP, *args]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -42,7 +42,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +67,7 @@ from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient, R
 from lightning_dynamix.offload.server import TableSpec, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 from lightning_dynamix.placement import PlacementPlan
+from lightning_dynamix.serve import server_command
 from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
 
 STRATEGY_NAME = "layer_offload"
@@ -294,10 +294,7 @@ class LayerOffloadStrategy(DDPStrategy):
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
         env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
         env["OMP_NUM_THREADS"] = "1"
-        command = [
-            sys.executable,
-            "-m",
-            "lightning_dynamix.serve",
+        command = server_command(
             "--address",
             address,
             "--server-rank",
@@ -312,7 +309,7 @@ class LayerOffloadStrategy(DDPStrategy):
             str(self._timeout.total_seconds()),
             "--parent-pid",
             str(os.getpid()),
-        ]
+        )
         return subprocess.Popen(command, env=env)
 
     # training ------------------------------------------------------------------------------------------

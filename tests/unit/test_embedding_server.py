@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 import torch
 
 from lightning_dynamix.offload import EmbeddingServer, RowSGD, TableSpec
 from lightning_dynamix.serve import main as serve_main
+from lightning_dynamix.serve import server_command
 
 ROWS, DIM = 6, 2
 
@@ -113,6 +117,19 @@ def test_serve_rejects_bad_arguments_before_joining(args, message, capsys):
     with pytest.raises(SystemExit):
         serve_main(["--address", "127.0.0.1:29999", "--num-trainers", "1", *args])
     assert message in capsys.readouterr().err
+
+
+def test_a_launched_server_starts_as_the_serve_command_without_importing_lightning():
+    # the strategy starts its servers with this command: the same arguments, the same checks, and no Lightning
+    command = server_command("--address", "127.0.0.1:29999", "--num-trainers", "1", "--server-rank", "2",
+                             "--num-servers", "2")  # fmt: skip
+    timed = [command[0], "-X", "importtime", *command[1:]]  # every module imported, on stderr
+    proc = subprocess.run(timed, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "python -m lightning_dynamix.serve: error: `server_rank` must be in [0, 2), got 2" in proc.stderr
+    assert re.search(r"\|\s+torch$", proc.stderr, flags=re.MULTILINE)  # (the listing is there)
+    assert "lightning.pytorch" not in proc.stderr
+    assert "lightning_dynamix.offload.server" in proc.stderr
 
 
 def test_serve_rejects_an_address_without_port(capsys):
