@@ -168,7 +168,11 @@ class RLScheduler:
 def _new_ppo(env: gym.Env, seed: int, **kwargs: Any) -> Any:
     from stable_baselines3 import PPO
 
-    return PPO("MlpPolicy", env, seed=seed, verbose=0, device="cpu", **kwargs)
+    from lightning_dynamix.rl.sb3 import silent_logger
+
+    ppo = PPO("MlpPolicy", env, seed=seed, verbose=0, device="cpu", **kwargs)
+    ppo.set_logger(silent_logger())
+    return ppo
 
 
 def default_scheduler_path() -> Path:

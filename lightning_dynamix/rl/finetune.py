@@ -91,9 +91,8 @@ class OnlineFinetuner:
         reward_weights: RewardWeights | None = None,
     ) -> None:
         from stable_baselines3 import PPO
-        from stable_baselines3.common.logger import configure
 
-        from lightning_dynamix.rl.sb3 import SharedRankPolicy
+        from lightning_dynamix.rl.sb3 import SharedRankPolicy, silent_logger
 
         if batch_size > n_steps:
             raise ValueError(f"`batch_size` ({batch_size}) must be <= `n_steps` ({n_steps})")
@@ -112,7 +111,7 @@ class OnlineFinetuner:
             seed=seed,
             device="cpu",
         )
-        self.model.set_logger(configure(None, []))
+        self.model.set_logger(silent_logger())
         self.model._current_progress_remaining = 1.0  # constant schedules: learn() would set it
         self.model.policy.network = network  # the controller's network: updates reach it at once
         self.model.policy.optimizer = self.model.policy.optimizer_class(

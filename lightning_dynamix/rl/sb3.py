@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from gymnasium import spaces
 from stable_baselines3.common.distributions import MultiCategoricalDistribution
+from stable_baselines3.common.logger import Logger
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.type_aliases import PyTorchObs
 from torch.distributions import Categorical
@@ -114,3 +115,10 @@ class RankCategoricalDistribution(MultiCategoricalDistribution):
     @override
     def mode(self) -> torch.Tensor:
         return self.categorical.logits.argmax(dim=-1)
+
+
+def silent_logger() -> Logger:
+    """A stable-baselines3 logger that writes nothing anywhere. PPO's own default (``verbose=0``, no log
+    folder) writes nothing either, but makes a directory ``SB3-<date>`` in the temporary folder at every
+    ``learn``, and so does ``configure(None, [])``."""
+    return Logger(folder=None, output_formats=[])

@@ -182,7 +182,7 @@ def train_policy(
     from stable_baselines3.common.logger import configure
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
-    from lightning_dynamix.rl.sb3 import SharedRankPolicy
+    from lightning_dynamix.rl.sb3 import SharedRankPolicy, silent_logger
 
     start = initial_policy(init, config)
     threads = torch.get_num_threads()
@@ -218,8 +218,7 @@ def train_policy(
         )
         if start is not None:
             model.policy.network.load_state_dict(start.network.state_dict())
-        if log_dir is not None:
-            model.set_logger(configure(str(log_dir), ["csv", "tensorboard"]))
+        model.set_logger(silent_logger() if log_dir is None else configure(str(log_dir), ["csv", "tensorboard"]))
         started = time.perf_counter()
         callbacks = [_ProgressBar(config.timesteps)] if progress_bar else []
         model.learn(total_timesteps=config.timesteps, callback=callbacks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import tempfile
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_training_is_what_makes_the_policys_own_choice_good(trained):
     assert within[0] > within[1] + 5, within  # the most likely placement, no sampling
 
 
-def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_path):
+def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_path, monkeypatch):
     path = trained.save(tmp_path / "scheduler.safetensors")
     loaded = load_rl_scheduler(path)
     model = random_problem(7, 6, 3)
@@ -72,8 +73,12 @@ def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_
             trained.policy.get_distribution(obs).distribution.logits,
             loaded.policy.get_distribution(obs).distribution.logits,
         )
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     continued = train_rl_scheduler([model], timesteps=512, init=path, n_envs=1)
     assert continued.training["init"]["timesteps"] == 60_000
+    assert not list(temporary.iterdir())  # no stable-baselines3 log folder left behind
 
 
 def test_bad_scheduler_files_and_too_many_types_are_refused(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+
 import numpy as np
 import pytest
 import torch
@@ -83,8 +85,12 @@ def test_a_configuration_beyond_the_policys_size_is_refused():
         preset("huge")
 
 
-def test_training_can_continue_from_a_policy_file_and_keeps_its_record(tmp_path):
+def test_training_can_continue_from_a_policy_file_and_keeps_its_record(tmp_path, monkeypatch):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     first, _ = train_policy(preset("tiny"), tmp_path / "first.safetensors", evaluate=False, preset_name="tiny")
+    assert not list(temporary.iterdir())  # no log folder asked for: none left behind
     config = preset("tiny", timesteps=128, n_steps=64, learning_rate=1e-12, seed=3)
     second, record = train_policy(config, tmp_path / "second.safetensors", evaluate=False, init=first)
     assert record["init"]["path"] == str(first)
