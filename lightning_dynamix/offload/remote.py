@@ -263,12 +263,15 @@ class EmbeddingClient:
         if self.waited is not None:
             self.waited(started, time.perf_counter())
 
-    def push(self, weight: float | None = None) -> None:
+    def push(self, weight: float | None = None, drop: bool = False) -> None:
         """Send this step's row gradients to the servers (without waiting), to be multiplied by ``weight``
         there (None: ``1 / trainers``, the mean DDP takes of the dense gradients). Every step is pushed,
-        one without rows too (a trainer that sat it out): the servers apply an update once every trainer
-        pushed it."""
+        one without rows too (a trainer that sat it out, or ``drop``: a step the optimizer skipped, whose
+        rows are dropped): the servers apply an update once every trainer pushed it."""
         self._check_pushes()
+        if drop:
+            self._recorded.clear()
+            self._trained.clear()
         for step in [s for s in self._prefetched if s is None or s <= self.step]:
             del self._prefetched[step]  # rows prefetched for this step (or evaluation) and never looked up
         per_server: list[dict[str, tuple[list[Tensor], list[Tensor]]]] = [{} for _ in range(self.num_servers)]

@@ -316,9 +316,19 @@ class LayerOffloadStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        # a GradScaler (fp16 mixed precision) multiplies the loss, and so the rows' gradients, by its scale, and
+        # its unscale_ and its check for inf or NaN reach the optimizer's parameters only
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        scale = None if scaler is None else scaler.get_scale()  # this step's backward passes used it
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._client is not None
-        self._client.push(self._row_gradient_weight())
+        weight = self._row_gradient_weight()
+        if scale is None:
+            self._client.push(weight)
+        elif scaler.get_scale() < scale:  # it found inf or NaN and skipped the step (its scale backed off)
+            self._client.push(drop=True)  # the tables skip it too
+        else:
+            self._client.push((1.0 / self.world_size if weight is None else weight) / scale)
         if self._client.prefetch_misses and not self._misses_warned:
             self._misses_warned = True
             warnings.warn(

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -200,3 +201,40 @@ def test_an_optimizer_without_a_sparse_counterpart_is_refused_and_the_model_keep
         fit(model)
     assert isinstance(model.table, nn.Embedding)
     torch.testing.assert_close(model.table.weight.detach(), before)
+
+
+@pytest.mark.parametrize("init_scale", [1024.0, 2.0**22])  # 2**22: the first steps overflow in fp16, skipped
+def test_fp16_mixed_precision_with_a_grad_scaler_trains_the_tables_as_plain_lightning_does(init_scale):
+    # the scaler multiplies the loss, and so the rows' gradients; it skips a step with inf or NaN gradients
+    class Half(Model):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.head(self.table(ids)).float().pow(2).mean()
+
+    def train(strategy: object) -> tuple[dict[str, torch.Tensor], float]:
+        torch.manual_seed(0)
+        model, scaler = Half(), torch.amp.GradScaler("cpu", init_scale=init_scale)
+        trainer = Trainer(
+            strategy=strategy,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+            accelerator="cpu",
+            devices=1,
+            max_steps=10,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+        trainer.fit(model, DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, scaler.get_scale()
+
+    expected, scale = train("auto")
+    result, offloaded_scale = train(LayerOffloadStrategy())
+    assert offloaded_scale == scale
+    if init_scale > 1024:
+        assert scale < init_scale  # some steps were skipped: the scale backed off
+    torch.manual_seed(0)
+    assert (expected["table.weight"] - Half().table.weight.detach()).abs().max() > 1e-3  # the table trained
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)
