@@ -14,7 +14,7 @@ from lightning_dynamix.rl import ClusterSimulator, Scenario, ScenarioSpace
 from lightning_dynamix.rl.env import DynamixEnv
 from lightning_dynamix.rl.files import load_policy
 from lightning_dynamix.rl.policy import KEEP
-from lightning_dynamix.rl.sb3 import SharedRankPolicy
+from lightning_dynamix.rl.sb3 import SharedRankPolicy, silent_logger
 from lightning_dynamix.rl.train import preset, train_policy
 
 # four ranks, two of them 3x slower, a large fixed cost per step and a noise scale far above the
@@ -49,6 +49,7 @@ def test_a_short_ppo_training_run_beats_random_and_the_pid_balancer_alone_on_a_f
     torch.set_num_threads(1)
     env = DynamixEnv(SCENARIO, max_world_size=4, episode_intervals=16, seed=0)
     model = PPO(SharedRankPolicy, env, n_steps=256, batch_size=64, n_epochs=4, gamma=0.9, seed=0, device="cpu")
+    model.set_logger(silent_logger())  # no SB3-<date> folder in the temporary directory
     model.learn(6_000)
     trained = mean_reward(lambda obs, env: model.predict(obs, deterministic=True)[0])
     rng = np.random.default_rng(0)
