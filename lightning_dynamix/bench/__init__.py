@@ -5,10 +5,8 @@
   (also ``dynamix demo``'s), plotted by :mod:`.plots`;
 * :mod:`.offload`, :mod:`.placement`, :mod:`.plan`, :mod:`.replan`: ``offload``, ``placement``, ``plan``
   and ``replan``;
+* :mod:`.policy`: ``policy``, the learned controller's decision time;
 * :mod:`.elastic`: ``elastic``, torch elastic jobs on the local nodes of :mod:`.cluster`, each
   worker :mod:`.elastic_worker`;
 * :mod:`.timing`: per-rank step times.
-
-``dynamix bench policy`` lives with the learned controller's other commands, in
-:mod:`lightning_dynamix.cli.policy`.
 """

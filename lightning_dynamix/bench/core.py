@@ -365,3 +365,14 @@ def run_hook(args: argparse.Namespace) -> None:
         print(f"{name:>26}: {1e3 * median:8.3f} ms  ({median / base:.4f} of the built-in reduction)")
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated ints >= 1 (world sizes, ranks)."""
+    try:
+        sizes = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 4,8,16, got {text!r}") from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
+    return sizes

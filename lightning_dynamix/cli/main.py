@@ -12,6 +12,7 @@ from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
 from lightning_dynamix.bench import offload as bench_offload
 from lightning_dynamix.bench import placement as bench_placement
 from lightning_dynamix.bench import plan as bench_plan
+from lightning_dynamix.bench import policy as bench_policy
 from lightning_dynamix.bench import replan as bench_replan
 from lightning_dynamix.cli import demo, plan, policy, report
 
@@ -73,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_heterogeneity.add_tta_arguments(tta)
     tta.set_defaults(func=bench_heterogeneity.run_tta)
     policy_bench = benchmarks.add_parser("policy", help="PPOController's decision time at several world sizes")
-    policy.add_bench_arguments(policy_bench)
-    policy_bench.set_defaults(func=policy.run_bench)
+    bench_policy.add_arguments(policy_bench)
+    policy_bench.set_defaults(func=bench_policy.run)
     offload = benchmarks.add_parser(
         "offload", help="LayerOffloadStrategy against one process: step time, and the largest tables in a memory budget"
     )

@@ -278,6 +278,16 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
     }
 
 
+def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size(tmp_path):
+    out = tmp_path / "policy.json"
+    dynamix("bench", "policy", "--world-sizes", "1,4", "--decisions", "5", "--output", str(out), cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert set(result) == {"1", "4"}
+    for row in result.values():
+        assert row["network_median_ms"] > 0
+        assert 0 < row["median_ms"] <= row["p99_ms"]
+
+
 def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_allows(tmp_path):
     out = tmp_path / "offload.json"
     dynamix(
