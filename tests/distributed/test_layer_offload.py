@@ -55,7 +55,7 @@ def two_trainers(tmp_path_factory):
     ]
     try:
         scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
-        scenarios.append("balance-sgd-1")
+        scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2"]
         run_job("offload_job.py", 2, out, *scenarios, cwd=out)
         codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
     finally:
@@ -165,6 +165,14 @@ def test_trainers_of_changing_sizes_sitting_steps_out_in_turn_train_exactly_like
         assert counts["misses"] == 0, counts
         # a step's rows are asked for while the step before runs, but at an epoch's start and where it sits out
         assert counts["ahead"] == sum(1 for epoch in epochs for step in epoch[1:] if step[rank]), (rank, counts)
+
+
+def test_a_checkpoint_of_trainers_of_their_own_sizes_resumes_onto_more_servers_and_continues_identically(
+    two_trainers, job
+):
+    assert_same(torch.load(two_trainers / "sizes_resume-adagrad-1-2.pt"), reference(job, "adagrad", 2))
+    sizes = json.loads((two_trainers / "sizes_resume-adagrad-1-2-rank0.json").read_text())["sizes"]
+    assert sizes == [job.SIZES[0]] * job.STEPS_PER_EPOCH  # the second epoch, at the checkpoint's sizes
 
 
 def test_dynamix_balances_the_trainers_of_an_offloaded_model_and_training_stays_exact(two_trainers, job):

@@ -6,9 +6,9 @@ A scenario is ``OPTIMIZER-SERVERS-STALENESS`` (``adagrad-2-0``): 2 epochs of 10 
 trainer, unshuffled, so the trainers' batches of a step are one contiguous block of samples. Rank 0
 writes the whole trained model (the tables come back from the servers at the end) to
 ``OUT/<scenario>.pt``. ``resume-OPTIMIZER-OLD-NEW``: one epoch on OLD servers with a checkpoint,
-then a second Trainer resumes it on NEW servers. ``external-OPTIMIZER-SERVERS-PORT``: the servers
-were started with ``python -m lightning_dynamix.serve`` at PORT. ``kill``: server 1 is killed at step 3; the job
-must fail (with the server pids in ``OUT/kill-pids.txt``).
+then a second Trainer resumes it on NEW servers (``sizes_resume-...``: with per-trainer sizes).
+``external-OPTIMIZER-SERVERS-PORT``: the servers were started with ``python -m lightning_dynamix.serve`` at
+PORT. ``kill``: server 1 is killed at step 3; the job must fail (with the server pids in ``OUT/kill-pids.txt``).
 
 With HeterogeneousLayerOffloadStrategy (a batch size per trainer, the global batch kept at 16 per trainer, so
 the same batches as above): ``sizes-OPTIMIZER-SERVERS`` resizes the trainers at set steps, a trainer sitting
@@ -164,12 +164,21 @@ def main() -> None:
                 trainers, optimizer, int(servers), 0, EPOCHS, out, callbacks=callbacks, shuffle=False, **kwargs
             )
             (out / f"{scenario}-rank{trainer.global_rank}.json").write_text(json.dumps(counts.counts))
-        elif scenario.startswith("resume-"):
-            _, optimizer, old, new = scenario.split("-")
+        elif scenario.startswith(("resume-", "sizes_resume-")):
+            kind, optimizer, old, new = scenario.split("-")
+            # sizes_resume: per-trainer sizes (the resumed run's own would be others: the checkpoint's hold)
+            sizes = {"shuffle": False, "batch_sizes": SIZES[0]} if kind == "sizes_resume" else {}
+            resumed = {**sizes, "batch_sizes": [16, 16]} if sizes else {}
             checkpoints = out / scenario
-            fit(trainers, optimizer, int(old), 0, 1, out, callbacks=[ModelCheckpoint(checkpoints, save_top_k=-1)])
+            callbacks = [ModelCheckpoint(checkpoints, save_top_k=-1)]
+            fit(trainers, optimizer, int(old), 0, 1, out, callbacks=callbacks, **sizes)
             (ckpt,) = checkpoints.glob("*.ckpt")
-            trainer, model = fit(trainers, optimizer, int(new), 0, EPOCHS, out, ckpt_path=ckpt)
+            counts = LookupCounts()
+            trainer, model = fit(
+                trainers, optimizer, int(new), 0, EPOCHS, out, ckpt_path=ckpt, callbacks=[counts], **resumed
+            )
+            if sizes:
+                (out / f"{scenario}-rank{trainer.global_rank}.json").write_text(json.dumps(counts.counts))
         else:  # optimizer-servers-staleness[-depth]
             optimizer, servers, staleness, *depth = scenario.split("-")
             counts = LookupCounts()
