@@ -263,9 +263,9 @@ class EmbeddingClient:
         if self.waited is not None:
             self.waited(started, time.perf_counter())
 
-    def push(self, weight: float | None = None, drop: bool = False) -> None:
+    def push(self, weight: float, drop: bool = False) -> None:
         """Send this step's row gradients to the servers (without waiting), to be multiplied by ``weight``
-        there (None: ``1 / trainers``, the mean DDP takes of the dense gradients). Every step is pushed,
+        there (``1 / trainers`` for the mean DDP takes of the dense gradients). Every step is pushed,
         one without rows too (a trainer that sat it out, or ``drop``: a step the optimizer skipped, whose
         rows are dropped): the servers apply an update once every trainer pushed it."""
         self._check_pushes()

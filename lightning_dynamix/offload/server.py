@@ -5,9 +5,9 @@ pushes the gradients of those rows (one push per server per step, covering every
 up), even a step with no rows (a trainer that sat the step out), with the weight of its gradients. A
 server applies update ``k`` once every trainer has pushed step ``k``: each trainer's gradients are
 multiplied by its weight and summed, duplicate rows too, and the sparse optimiser applied once per
-table. The weights are those of the dense gradients' all-reduce: ``1 / trainers`` (DDP's mean) by
-default, or, with per-rank batch sizes, the correction of a synchronisation window whose sizes changed
-(the trainer's share of the global batch is already in its gradients).
+table. The weights are those of the dense gradients' all-reduce: ``1 / trainers`` (DDP's mean), or,
+with per-rank batch sizes, the correction of a synchronisation window whose sizes changed (the
+trainer's share of the global batch is already in its gradients).
 
 ``staleness`` bounds how old the rows a lookup sees may be, as in PERSIA, and makes it exact, so
 a run is reproducible: a lookup for step ``k`` sees the table after update ``k - 1 - staleness``
@@ -95,9 +95,8 @@ class EmbeddingServer:
 
     def _reset_steps(self) -> None:
         self.applied = -1  # the last update applied
-        self._pushes: dict[int, dict[int, Push]] = {}  # step -> trainer -> push
+        self._pushes: dict[int, dict[int, tuple[Push, float]]] = {}  # step -> trainer -> (push, its weight)
         self._pushed = [-1] * self.num_trainers  # the last step each trainer pushed
-        self._weights: dict[int, dict[int, float]] = {}  # step -> trainer -> weight of its push
         # update -> table -> (its rows, ascending; their values before it), while a lookup may need them
         self._overwritten: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lookups: list[tuple[int, Future, str, torch.Tensor]] = []
@@ -158,9 +157,9 @@ class EmbeddingServer:
 
         return torch.futures.collect_all(futures).then(values)
 
-    def push(self, trainer: int, step: int, grads: Push, weight: float | None = None) -> None:
+    def push(self, trainer: int, step: int, grads: Push, weight: float) -> None:
         """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order, each one, with
-        or without rows), multiplied by ``weight`` in the update: None for ``1 / num_trainers``."""
+        or without rows), multiplied by ``weight`` in the update."""
         with self._lock:
             if not 0 <= trainer < self.num_trainers:
                 raise ValueError(f"push from trainer {trainer}; this server serves {self.num_trainers} trainers")
@@ -170,8 +169,7 @@ class EmbeddingServer:
                 )
             for name in grads:
                 self._table(name)
-            self._pushes.setdefault(step, {})[trainer] = grads
-            self._weights.setdefault(step, {})[trainer] = 1.0 / self.num_trainers if weight is None else weight
+            self._pushes.setdefault(step, {})[trainer] = (grads, weight)
             self._pushed[trainer] = step
             self._advance()
 
@@ -213,9 +211,10 @@ class EmbeddingServer:
         self._flushes = flushes
 
     def _apply(self, step: int) -> None:
-        pushes, weights = self._pushes.pop(step), self._weights.pop(step)
-        ordered = [(pushes[trainer], weights[trainer]) for trainer in range(self.num_trainers)]  # reproducible sums
-        common = weights[0] if len(set(weights.values())) == 1 else None  # one multiplication of the sum
+        pushes = self._pushes.pop(step)
+        ordered = [pushes[trainer] for trainer in range(self.num_trainers)]  # a fixed order: reproducible sums
+        weights = {weight for _, weight in ordered}
+        common = weights.pop() if len(weights) == 1 else None  # then one multiplication of the sum
         for name in sorted({name for push, _ in ordered for name in push}):
             shard = self.tables[name]
             taken = [(push[name], weight) for push, weight in ordered if name in push]
@@ -339,7 +338,7 @@ def remote_lookup_many(step: int | None, requests: dict[str, torch.Tensor]) -> F
     return _server().lookup_many(step, requests)
 
 
-def remote_push(trainer: int, step: int, grads: Push, weight: float | None) -> None:
+def remote_push(trainer: int, step: int, grads: Push, weight: float) -> None:
     _server().push(trainer, step, grads, weight)
 
 

@@ -169,7 +169,7 @@ def _rows_passes(
     pushed = {}
     for dim, route in routes.items():
         pushed.update(route.split(grads[dim], set(route.tables))[0])
-    server.push(0, 0, pushed)
+    server.push(0, 0, pushed, 1.0)
     step = [1]
     # one row of every table: what a server pays per table, whatever its rows
     one_request = {table: local[:1] for table, local in request.items()}
@@ -183,7 +183,7 @@ def _rows_passes(
 
     def server_step(request: dict[str, torch.Tensor], pushed: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         server.lookup_many(step[0], request).wait()  # a lookup, and the update of its rows
-        server.push(0, step[0], pushed)
+        server.push(0, step[0], pushed, 1.0)
         step[0] += 1
 
     return (

@@ -190,7 +190,6 @@ class LayerOffloadStrategy(DDPStrategy):
         self._set_threads()
         self._start_rpc()
         self._client = EmbeddingClient(self.global_rank, self.num_embedding_servers, self._timeout.total_seconds())
-        self._client.waited = self._waited_for_servers
         self._remote = {name: remote_module(self._client, name, embedding) for name, embedding in targets.items()}
         for name, stand_in in self._remote.items():
             _set_submodule(module, name, stand_in)
@@ -326,9 +325,9 @@ class LayerOffloadStrategy(DDPStrategy):
         if scale is None:
             self._client.push(weight)
         elif scaler.get_scale() < scale:  # it found inf or NaN and skipped the step (its scale backed off)
-            self._client.push(drop=True)  # the tables skip it too
+            self._client.push(weight, drop=True)  # the tables skip it too
         else:
-            self._client.push((1.0 / self.world_size if weight is None else weight) / scale)
+            self._client.push(weight / scale)
         if self._client.prefetch_misses and not self._misses_warned:
             self._misses_warned = True
             warnings.warn(
@@ -339,13 +338,10 @@ class LayerOffloadStrategy(DDPStrategy):
             )
         return output
 
-    def _waited_for_servers(self, started: float, ended: float) -> None:
-        """A lookup waited for the servers from ``started`` to ``ended`` (``perf_counter`` seconds)."""
-
-    def _row_gradient_weight(self) -> float | None:
-        """What the servers multiply this trainer's row gradients by: None for ``1 / trainers``, the mean DDP
-        takes of the dense gradients."""
-        return None
+    def _row_gradient_weight(self) -> float:
+        """What the servers multiply this trainer's row gradients by: ``1 / trainers``, the mean DDP takes of
+        the dense gradients."""
+        return 1.0 / self.world_size
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -784,8 +780,9 @@ class HeterogeneousLayerOffloadStrategy(LayerOffloadStrategy, HeterogeneousDDPSt
                 " take no batch)"
             )
         super().setup(trainer)
+        assert self._client is not None
+        self._client.waited = self._waited_for_servers
 
-    @override
     def _waited_for_servers(self, started: float, ended: float) -> None:
         # the servers answer once every trainer pushed the update the lookup must see: a wait for the other
         # trainers (and the servers), which the step clock must not count as this trainer's compute
@@ -793,7 +790,7 @@ class HeterogeneousLayerOffloadStrategy(LayerOffloadStrategy, HeterogeneousDDPSt
             self._step_clock.collective(started, ended)
 
     @override
-    def _row_gradient_weight(self) -> float | None:
+    def _row_gradient_weight(self) -> float:
         # the trainer's share of the global batch is in its gradients already (the factor on its loss's
         # gradient); the all-reduce multiplies the dense ones by the window's correction and sums: so do the servers
         return self._hook_state.weight

@@ -21,9 +21,7 @@ def server(num_trainers: int = 1, staleness: int = 0) -> EmbeddingServer:
     return s
 
 
-def push(
-    s: EmbeddingServer, trainer: int, step: int, row: int = 0, value: float = 1.0, weight: float | None = None
-) -> None:
+def push(s: EmbeddingServer, trainer: int, step: int, row: int = 0, value: float = 1.0, weight: float = 1.0) -> None:
     s.push(trainer, step, {"t": (torch.tensor([row]), torch.full((1, DIM), value))}, weight)
 
 
@@ -35,10 +33,10 @@ def looked_up(s: EmbeddingServer, step: int | None, row: int = 0):
 def test_synchronous_lookup_waits_for_every_trainers_push_and_sees_their_mean():
     s = server(num_trainers=2)
     assert looked_up(s, 0) == 0.0
-    push(s, 0, 0, value=1.0)
+    push(s, 0, 0, value=1.0, weight=0.5)  # DDP's mean: 1 / trainers
     waiting = s.lookup("t", 1, torch.tensor([0]))
     assert not waiting.done()  # trainer 1 has not pushed step 0 yet
-    push(s, 1, 0, value=3.0)
+    push(s, 1, 0, value=3.0, weight=0.5)
     assert waiting.done()
     assert float(waiting.value()[0, 0]) == -2.0  # minus the mean of 1 and 3, at lr 1
 
@@ -90,7 +88,7 @@ def test_a_push_out_of_order_or_for_an_unknown_table_is_an_error():
     with pytest.raises(RuntimeError, match="pushed step 1 after step -1"):
         push(s, 0, 1)
     with pytest.raises(KeyError, match="holds no table 'nope'"):
-        s.push(0, 0, {"nope": (torch.tensor([0]), torch.ones(1, DIM))})
+        s.push(0, 0, {"nope": (torch.tensor([0]), torch.ones(1, DIM))}, 1.0)
 
 
 def test_save_and_load_into_another_server_count(tmp_path):

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -86,13 +87,18 @@ class Model(LightningModule):
 def fit(
     model: LightningModule,
     loader: DataLoader | None = None,
-    strategy: type[LayerOffloadStrategy] = LayerOffloadStrategy,
+    strategy: type[LayerOffloadStrategy] | str = LayerOffloadStrategy,
     max_steps: int = 1,
     accumulate_grad_batches: int = 1,
+    plugins: list[Any] | None = None,
+    callbacks: list[Any] | None = None,
     **kwargs,
-) -> LayerOffloadStrategy:
+) -> Any:
+    """``model`` trained by a Trainer with ``strategy`` (a class, given ``kwargs``, or a name); its strategy."""
     trainer = Trainer(
-        strategy=strategy(**kwargs),
+        strategy=strategy if isinstance(strategy, str) else strategy(**kwargs),
+        plugins=plugins,
+        callbacks=callbacks,
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
@@ -101,11 +107,12 @@ def fit(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler=False,
     )
     try:
         trainer.fit(model, loader or DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
     finally:
-        assert not trainer.strategy._servers  # stopped, or never started
+        assert not getattr(trainer.strategy, "_servers", None)  # stopped, or never started
     return trainer.strategy
 
 
@@ -144,10 +151,21 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=sampler)
     with pytest.raises(MisconfigurationException, match=r"CountingSampler keeps a state of the batches it handed"):
         fit(WithIds(), loader, prefetch_depth=1)
-    # several batches per optimizer step: a batch read ahead would be asked for as the next step's
+    # several batches per optimizer step: a batch read ahead would be asked for as the next step's (its
+    # answer dropped unused where the step's second batch is read)
     with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches=2 trains several batches"):
         fit(WithIds(), prefetch_depth=1, accumulate_grad_batches=2)
-    fit(WithIds(), max_steps=4, accumulate_grad_batches=2)  # unset: left off, and training goes on
+
+    class Lookups(Callback):
+        def on_train_end(self, trainer, pl_module):
+            self.ahead, self.requests = (
+                trainer.strategy.client.prefetches_ahead,
+                trainer.strategy.client.lookup_requests,
+            )
+
+    lookups, loader = Lookups(), DataLoader(TensorDataset(torch.arange(20) % 10), batch_size=2)
+    fit(WithIds(), loader, max_steps=4, accumulate_grad_batches=2, callbacks=[lookups])
+    assert (lookups.ahead, lookups.requests) == (0, 8)  # unset: left off, one request per batch
     # the heterogeneous strategy's own DataLoader counts the batches it hands out, not those read ahead
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_size=2)
     strategy = fit(WithIds(), loader, strategy=HeterogeneousLayerOffloadStrategy, max_steps=2, prefetch_depth=1)
@@ -211,26 +229,14 @@ def test_fp16_mixed_precision_with_a_grad_scaler_trains_the_tables_as_plain_ligh
             (ids,) = batch
             return self.head(self.table(ids)).float().pow(2).mean()
 
-    def train(strategy: object) -> tuple[dict[str, torch.Tensor], float]:
+    def train(strategy: type[LayerOffloadStrategy] | str) -> tuple[dict[str, torch.Tensor], float]:
         torch.manual_seed(0)
         model, scaler = Half(), torch.amp.GradScaler("cpu", init_scale=init_scale)
-        trainer = Trainer(
-            strategy=strategy,
-            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-            accelerator="cpu",
-            devices=1,
-            max_steps=10,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-        )
-        trainer.fit(model, DataLoader(TensorDataset(torch.arange(10)), batch_size=5))
+        fit(model, strategy=strategy, max_steps=10, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
         return {k: v.detach().clone() for k, v in model.state_dict().items()}, scaler.get_scale()
 
     expected, scale = train("auto")
-    result, offloaded_scale = train(LayerOffloadStrategy())
+    result, offloaded_scale = train(LayerOffloadStrategy)
     assert offloaded_scale == scale
     if init_scale > 1024:
         assert scale < init_scale  # some steps were skipped: the scale backed off
