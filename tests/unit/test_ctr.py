@@ -13,10 +13,19 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from torch.utils.data import RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, SequentialSampler
 from torchmetrics.functional.classification import binary_auroc
 
-from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule, CTRSpec, SyntheticCTRDataset
+from lightning_dynamix.data import (
+    CRITEO_LIKE_TABLE_SIZES,
+    CTRDataModule,
+    CTRSpec,
+    EmptyBatch,
+    HeterogeneousBatchSampler,
+    HeterogeneousDataLoader,
+    SyntheticCTRDataset,
+    collate_ctr,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ctr" / "dlrm.py"
@@ -131,6 +140,41 @@ def test_datamodule_splits_are_disjoint_index_ranges_of_one_spec() -> None:
     assert dense.shape == (64, 13)
     assert sparse.shape == (64, 26)
     assert labels.shape == (64,)
+
+
+def test_a_batch_read_at_once_is_the_batch_read_sample_by_sample() -> None:
+    dataset = SyntheticCTRDataset(1000, CTRSpec(table_sizes=SMALL_TABLES))
+
+    class OneByOne(Dataset):  # the same samples without __getitems__: read and collated one by one
+        def __len__(self) -> int:
+            return len(dataset)
+
+        def __getitem__(self, index: int) -> Any:
+            return dataset[index]
+
+    def batches(source: Dataset, **kwargs: Any) -> list[Any]:
+        generator = torch.Generator().manual_seed(3)
+        return list(DataLoader(source, batch_size=64, shuffle=True, generator=generator, **kwargs))
+
+    expected = batches(OneByOne())
+    # the data module's collate function, and a user's loader with torch's default
+    for read in (batches(dataset, collate_fn=collate_ctr), batches(dataset)):
+        assert len(read) == len(expected) == 16
+        for got, want in zip(read, expected, strict=True):
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype
+                assert torch.equal(g, w)
+    # the heterogeneous loader over the data module's: a rank's batches, and its empty ones
+    data = CTRDataModule(num_samples=96, num_val_samples=1, table_sizes=SMALL_TABLES, batch_size=32)
+    for rank, size in enumerate((32, 0)):
+        sampler = HeterogeneousBatchSampler(data.train_dataloader().dataset, [32, 0], rank=rank, world_size=2)
+        read = list(HeterogeneousDataLoader.like(data.train_dataloader(), sampler))
+        assert len(read) == 3
+        for batch in read:
+            if size:
+                assert [t.shape[0] for t in batch] == [32, 32, 32]
+            else:
+                assert isinstance(batch, EmptyBatch)
 
 
 def test_dlrm_keeps_one_named_embedding_table_per_feature() -> None:
