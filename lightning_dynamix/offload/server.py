@@ -99,7 +99,8 @@ class EmbeddingServer:
         self._pushed = [-1] * self.num_trainers  # the last step each trainer pushed
         # update -> table -> (its rows, ascending; their values before it), while a lookup may need them
         self._overwritten: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._lookups: list[tuple[int, Future, str, torch.Tensor]] = []
+        # lookups waiting for an update: (step, answer, {table: rows}, the table of a one-table lookup)
+        self._lookups: list[tuple[int, Future, dict[str, torch.Tensor], str | None]] = []
         self._flushes: list[tuple[int, Future]] = []
 
     # set-up -------------------------------------------------------------------------------------
@@ -123,14 +124,28 @@ class EmbeddingServer:
 
         ``step=None`` (evaluation) answers from the current rows at once.
         """
+        return self._lookup({table: rows}, step, table)
+
+    def lookup_many(self, step: int | None, requests: dict[str, torch.Tensor]) -> Future:
+        """:meth:`lookup` of several tables' local rows at once: one answer, ``{table: values}``."""
+        return self._lookup(requests, step, None)
+
+    def _lookup(self, requests: dict[str, torch.Tensor], step: int | None, single: str | None) -> Future:
+        # one future and one hold of the lock for all the tables of a request
         future: Future = Future()
         with self._lock:
-            self._table(table)
+            for table in requests:
+                self._table(table)
             if step is None or self._lookup_ready(step):
-                future.set_result(self._values(table, step, rows))
+                future.set_result(self._answer(requests, step, single))
             else:
-                self._lookups.append((step, future, table, rows))
+                self._lookups.append((step, future, requests, single))
         return future
+
+    def _answer(self, requests: dict[str, torch.Tensor], step: int | None, single: str | None) -> object:
+        if single is not None:
+            return self._values(single, step, requests[single])
+        return {table: self._values(table, step, rows) for table, rows in requests.items()}
 
     def _values(self, table: str, step: int | None, rows: torch.Tensor) -> torch.Tensor:
         """Local ``rows`` of ``table`` as lookup ``step`` sees them: the current ones, updates after its
@@ -146,16 +161,6 @@ class EmbeddingServer:
             hit = changed[where] == rows
             values[hit] = before[where[hit]]
         return values
-
-    def lookup_many(self, step: int | None, requests: dict[str, torch.Tensor]) -> Future:
-        """:meth:`lookup` of several tables' local rows at once: one answer, ``{table: values}``."""
-        names = list(requests)
-        futures = [self.lookup(name, step, requests[name]) for name in names]
-
-        def values(done: Future) -> dict[str, torch.Tensor]:
-            return {name: future.value() for name, future in zip(names, done.value())}
-
-        return torch.futures.collect_all(futures).then(values)
 
     def push(self, trainer: int, step: int, grads: Push, weight: float) -> None:
         """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order, each one, with
@@ -196,11 +201,12 @@ class EmbeddingServer:
         for update in [u for u in self._overwritten if u <= min(self._pushed) - self.staleness]:
             del self._overwritten[update]
         waiting = []
-        for step, future, table, rows in self._lookups:
+        for lookup in self._lookups:
+            step, future, requests, single = lookup
             if self._lookup_ready(step):
-                future.set_result(self._values(table, step, rows))
+                future.set_result(self._answer(requests, step, single))
             else:
-                waiting.append((step, future, table, rows))
+                waiting.append(lookup)
         self._lookups = waiting
         flushes = []
         for step, future in self._flushes:
@@ -218,12 +224,16 @@ class EmbeddingServer:
         for name in sorted({name for push, _ in ordered for name in push}):
             shard = self.tables[name]
             taken = [(push[name], weight) for push, weight in ordered if name in push]
-            rows = torch.cat([rows for (rows, _), _ in taken])
-            grads = torch.cat([grads if common is not None else grads * weight for (_, grads), weight in taken])
-            unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
-            summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
-            if common is not None and common != 1.0:
-                summed.mul_(common)
+            if len(taken) == 1 and _ascending(taken[0][0][0]):  # one trainer's distinct rows: nothing to sum
+                (unique, summed), weight = taken[0]
+                summed = summed * weight if weight != 1.0 else summed
+            else:
+                rows = torch.cat([rows for (rows, _), _ in taken])
+                grads = torch.cat([grads if common is not None else grads * weight for (_, grads), weight in taken])
+                unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
+                summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
+                if common is not None and common != 1.0:
+                    summed.mul_(common)
             if self.staleness:  # a lookup may still ask for the table before this update
                 self._overwritten.setdefault(step, {})[name] = (unique, shard.lookup(unique))
             shard.update(unique, summed)
@@ -268,6 +278,11 @@ class EmbeddingServer:
 
 
 DEFAULT_TIMEOUT_S = timedelta(minutes=30).total_seconds()  # Lightning's default process-group timeout
+
+
+def _ascending(rows: torch.Tensor) -> bool:
+    """Whether ``rows`` are strictly ascending (so distinct): a trainer pushes its rows so."""
+    return len(rows) < 2 or bool((rows[1:] > rows[:-1]).all())
 
 
 def server_name(server_rank: int) -> str:

@@ -176,7 +176,7 @@ class TablesRoute:
         for server, positions in enumerate(self.shard_positions):
             if len(positions):
                 parts = [answers[server][table] for table in self.shard_rows[server]]
-                out[positions] = parts[0] if len(parts) == 1 else torch.cat(parts)
+                out.index_copy_(0, positions, parts[0] if len(parts) == 1 else torch.cat(parts))
         return list(out.split(self.sizes))
 
     def split(
@@ -193,7 +193,7 @@ class TablesRoute:
         no_rows = self.unique.new_empty((0,))
         for server, positions in enumerate(self.shard_positions):
             rows = self.shard_rows[server]
-            values = unique_values[positions].split(self.shard_counts[server])
+            values = unique_values.index_select(0, positions).split(self.shard_counts[server])
             out.append(
                 {
                     table: (rows.get(table, no_rows), grads)

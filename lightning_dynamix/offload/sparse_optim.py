@@ -7,6 +7,10 @@ change. The arithmetic is exactly that of torch's own optimisers on an ``nn.Embe
 sparse=True)`` (``torch.optim.SGD``, ``torch.optim.Adagrad``), so a table trained on servers ends
 where the same table trained in one process does. Per-row state has the rows along dimension 0,
 so it is split and joined with the weights when a checkpoint is re-sharded.
+
+The steps scale a row's change before ``index_add_`` rather than pass ``alpha``: torch's CPU
+``index_add_`` with ``alpha != 1`` took 3.5 times as long (245 against 69 us for 4,400 rows of 16
+values), and the product is the same one either way.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ class RowSGD(SparseRowOptimizer):
         self.lr = require_number("lr", lr, 0.0, low_open=True)
 
     def step(self, weight: torch.Tensor, state: dict[str, Any], rows: torch.Tensor, grads: torch.Tensor) -> None:
-        weight.index_add_(0, rows, grads, alpha=-self.lr)
+        weight.index_add_(0, rows, grads * -self.lr)
 
 
 class RowAdagrad(SparseRowOptimizer):
@@ -90,8 +94,9 @@ class RowAdagrad(SparseRowOptimizer):
         state["step"] += 1
         lr = self.lr / (1 + (state["step"] - 1) * self.lr_decay)
         total = state["sum"]
-        total.index_add_(0, rows, grads * grads)
-        weight.index_add_(0, rows, grads / (total[rows].sqrt() + self.eps), alpha=-lr)
+        summed = total.index_select(0, rows).add_(grads * grads)  # the rows are distinct
+        total.index_copy_(0, rows, summed)
+        weight.index_add_(0, rows, (grads / summed.sqrt_().add_(self.eps)).mul_(-lr))
 
 
 SPARSE_OPTIMIZERS: dict[str, type[SparseRowOptimizer]] = {"sgd": RowSGD, "adagrad": RowAdagrad}

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from lightning_dynamix.offload import EmbeddingServer, RowSGD, TableSpec
+from lightning_dynamix.offload import EmbeddingServer, RowAdagrad, RowSGD, TableSpec
 from lightning_dynamix.serve import main as serve_main
 from lightning_dynamix.serve import server_command
 
@@ -72,6 +72,22 @@ def test_staleness_one_answers_with_the_version_a_step_must_see_never_a_later_on
     push(s, 0, 2, row=1)  # another row: row 0's value after update 2 is that after update 1
     assert looked_up(s, 4) == -2.0
     assert sorted(s._overwritten) == [2]  # only what a lookup of step 3 or later may still ask for
+
+
+def test_one_trainers_rows_are_summed_whatever_their_order_and_a_table_lookup_waits_with_the_others():
+    s = server(staleness=0)
+    s.create_table(TableSpec("u", ROWS, DIM, RowAdagrad(lr=1.0)), torch.zeros(ROWS, DIM))
+    waiting = s.lookup_many(1, {"t": torch.tensor([3, 1]), "u": torch.tensor([2])})
+    assert not waiting.done()  # one answer for both tables, once update 0 is applied
+    # rows in the order the trainer sends them (ascending, distinct), one out of order, and a duplicate
+    grads = torch.ones(3, DIM)
+    s.push(0, 0, {"t": (torch.tensor([1, 3, 5]), grads), "u": (torch.tensor([4, 2, 4]), grads * 2)}, 0.5)
+    answer = waiting.value()
+    assert answer["t"][:, 0].tolist() == [-0.5, -0.5]  # rows 3 and 1, once each, at weight 0.5
+    assert answer["u"][:, 0].tolist() == [-1.0]  # Adagrad's first step: -lr * g / |g|
+    assert looked_up(s, None, row=5) == -0.5
+    # row 4 twice: one update from its summed gradient 2 (-1), not two of 1 (-2)
+    assert s.lookup("u", None, torch.tensor([4])).value()[0, 0] == -1.0
 
 
 def test_flush_applies_everything_pushed_and_evaluation_reads_it():
