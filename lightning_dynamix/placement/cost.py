@@ -34,9 +34,10 @@ they are charged where the strategy pays them:
   speed) and the trainer's (routing, assembly, the gradients' split), charged to the table's stage;
 * such a stage's units are servers, each holding a share of every one of its tables: every server
   adds its round trip and its work per table to the step whatever its share of the rows (the
-  runner's ``request_seconds``, taken out of the fixed terms for the empty step's one server). With
-  ``u`` units the stage's seconds per sample are ``u * request + seconds / u``, not ``seconds / u``;
-  it gets the fewest units that meet the target.
+  runner's ``request_seconds``, taken out of the fixed terms for the empty step's one server; of it,
+  the server's own work on its tables, ``server_table_seconds``, over the type's speed). With ``u``
+  units the stage's seconds per sample are ``u * request + seconds / u``, not ``seconds / u``; it gets
+  the fewest units that meet the target.
 
 The plan's stages then add up to a step of the strategy: at ``staleness=0`` a step waits for its
 lookup, so :attr:`PlacementPlan.sequential_throughput` is its forecast, and
@@ -252,7 +253,18 @@ class CostModel:
             self._seconds.append(_prefix(seconds))
             self._fixed.append(fixed)
             self._served.append(_prefix(served))
-        self._request = 0.0 if runner is None else runner.request_seconds / runner.batch_size
+        # per type: what each server adds to a step; its work on its tables runs at the type's speed
+        self._request = [
+            0.0
+            if runner is None
+            else (
+                runner.request_seconds
+                - runner.server_table_seconds
+                + runner.server_table_seconds / resource.speed("sparse")
+            )
+            / runner.batch_size
+            for resource in self.resources
+        ]
         self.runner = None if runner is None else runner.to_dict()
         self._dense = _prefix([layer.parameter_bytes if layer.kind == "dense" else 0 for layer in layers])
         self._dense_count = _prefix([1 if layer.kind == "dense" else 0 for layer in layers])
@@ -284,7 +296,7 @@ class CostModel:
         seconds = self.stage_seconds(first, last, resource)
         # the stage's units are embedding servers: each one more adds its round trip and its work per table
         servers = self._served[resource][last + 1] > self._served[resource][first]
-        request = self._request if servers else 0.0
+        request = self._request[resource] if servers else 0.0
         units = max(1, math.ceil(self.target * seconds * (1 - 1e-12)))
         dense = self.parameter_copies * (self._dense[last + 1] - self._dense[first])
         sparse = self.parameter_copies * (self._sparse[last + 1] - self._sparse[first])

@@ -84,6 +84,9 @@ class RunnerProfile:
         server_row_seconds: per distinct row, a server's work: its lookup and its update.
         request_seconds: what one more server adds to a step: its lookup and push round trip and its
             work per table (the empty step includes the first server's).
+        server_table_seconds: of ``request_seconds``, the server's own work per table (a lookup and an
+            update of one row of every table), which runs at its resource type's speed; the rest is
+            the round trip and the trainer's work per server.
     """
 
     batch_size: int
@@ -94,14 +97,16 @@ class RunnerProfile:
     trainer_row_seconds: float = 0.0
     server_row_seconds: float = 0.0
     request_seconds: float = 0.0
+    server_table_seconds: float = 0.0
 
     def summary(self) -> str:
         """The terms in one line, per step of :attr:`batch_size` samples (as ``dynamix plan`` prints them)."""
         return (
             f"loop and round trip {1e3 * self.step_seconds:.2f} ms, batch {1e3 * self.loader_seconds:.2f} ms,"
             f" dense optimizer {1e3 * self.optimizer_seconds:.2f} ms, a second server {1e3 * self.request_seconds:.2f}"
-            f" ms; {sum(self.rows.values()):.0f} rows looked up per batch at {1e6 * self.trainer_row_seconds:.2f} us"
-            f" each on the trainer and {1e6 * self.server_row_seconds:.2f} us on a server"
+            f" ms (its tables {1e3 * self.server_table_seconds:.2f} ms); {sum(self.rows.values()):.0f} rows looked up"
+            f" per batch at {1e6 * self.trainer_row_seconds:.2f} us each on the trainer"
+            f" and {1e6 * self.server_row_seconds:.2f} us on a server"
         )
 
     @property
@@ -119,6 +124,7 @@ class RunnerProfile:
             "trainer_row_seconds": self.trainer_row_seconds,
             "server_row_seconds": self.server_row_seconds,
             "request_seconds": self.request_seconds,
+            "server_table_seconds": self.server_table_seconds,
         }
 
     @classmethod
@@ -132,6 +138,7 @@ class RunnerProfile:
             trainer_row_seconds=float(data.get("trainer_row_seconds", 0.0)),
             server_row_seconds=float(data.get("server_row_seconds", 0.0)),
             request_seconds=float(data.get("request_seconds", 0.0)),
+            server_table_seconds=float(data.get("server_table_seconds", 0.0)),
         )
 
 

@@ -10,7 +10,8 @@ waits for them, pushes the rows' gradients back, has them applied, and steps the
 * ``step_seconds``: the strategy's empty step, a real ``Trainer`` with ``LayerOffloadStrategy`` and
   one embedding server training as many tables as the model has, of two rows each: Lightning's loop,
   one lookup and one push round trip, and what the trainer and the server pay per table, with next
-  to no rows and no compute; ``request_seconds``: what a second server adds to it;
+  to no rows and no compute; ``request_seconds``: what a second server adds to it, of which
+  ``server_table_seconds`` is the server's own work per table (timed with one row of every table);
 * ``rows``, ``trainer_row_seconds`` and ``server_row_seconds``: the distinct rows a batch looks up
   per table, and per row what the trainer does with it (route it, assemble it, split its gradient)
   and what a server does (look it up, apply the sparse optimiser's update), timed with the real
@@ -88,6 +89,7 @@ def profile_runner(
     total_rows = max(sum(rows.values()), 1.0)
     dims = [call.module.embedding_dim for call in calls]
     one_server = _empty_step_seconds(dims, trainer_threads, 1)
+    request = max(_empty_step_seconds(dims, trainer_threads, 2) - one_server, 0.0)
     return RunnerProfile(
         batch_size=batch_size,
         step_seconds=one_server,
@@ -96,7 +98,8 @@ def profile_runner(
         rows=rows,
         trainer_row_seconds=timed[1][0] / total_rows,
         server_row_seconds=max(timed[2][0] - timed[3][0], 0.0) / max(total_rows - len(calls), 1.0),
-        request_seconds=max(_empty_step_seconds(dims, trainer_threads, 2) - one_server, 0.0),
+        request_seconds=request,
+        server_table_seconds=min(timed[3][0], request),
     )
 
 

@@ -106,9 +106,10 @@ def test_a_pipeline_runs_at_its_slowest_stage_and_stage_after_stage_at_the_sum_o
 
 
 def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in_the_plan_file(tmp_path):
-    # batch 10; a step pays 4 ms of loop, 2 ms reading the batch, 1 ms of optimiser, 3 ms per server;
-    # the table's 20 rows per batch cost 100 us each on the trainer and 400 us on a server
-    runner = RunnerProfile(10, 0.004, 0.002, 0.001, {"table": 20.0}, 1e-4, 4e-4, 0.003)
+    # batch 10; a step pays 4 ms of loop, 2 ms reading the batch, 1 ms of optimiser, 3 ms per server (2 ms
+    # of it the server's work on its tables); the table's 20 rows per batch cost 100 us each on the trainer
+    # and 400 us on a server
+    runner = RunnerProfile(10, 0.004, 0.002, 0.001, {"table": 20.0}, 1e-4, 4e-4, 0.003, 0.002)
     table = LayerProfile("table", "sparse", {"cpu": 0.002}, GIB, 0)
     dense = LayerProfile("dense", "dense", {"cpu": 0.006}, 1000, 4)
     profile = ModelProfile((table, dense), 10, {"cpu": 0.009}, runner=runner)  # 1 ms of the pass is in no layer
@@ -116,10 +117,11 @@ def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in
     trainer = ResourceType("trainer", "cpu", 2.0, 4, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
     plan = CostModel(profile, [server, trainer], 50.0).plan([0, 1])
     tables, dense_stage = plan.stages
-    # the server stage: its layer (at speed 2), each row's trainer and server work (at speed 2), a request per unit
+    # the server stage: its layer (at speed 2), each row's trainer and server work (at speed 2), a request per
+    # unit: 1 ms of round trip and 2 ms of work on its tables at speed 2
     rows = 0.002 / 2 + 20 * (1e-4 + 4e-4 / 2) / 10
     assert tables.seconds_per_sample == pytest.approx(rows)  # 1.6 ms
-    assert tables.throughput == pytest.approx(1 / (tables.units * 0.003 / 10 + rows / tables.units))
+    assert tables.throughput == pytest.approx(1 / (tables.units * (0.001 + 0.002 / 2) / 10 + rows / tables.units))
     # the trainers: their layer, the unattributed 1 ms, and the step's fixed terms less the empty step's server
     assert dense_stage.seconds_per_sample == pytest.approx(0.006 + 0.001 + (0.004 + 0.002 + 0.001 - 0.003) / 10)
     bare = CostModel(profile.with_runner(None), [server, trainer], 50.0).plan([0, 1])
