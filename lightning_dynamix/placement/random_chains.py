@@ -7,11 +7,12 @@ with their own prices, memories, links and speeds per layer kind.
 
 from __future__ import annotations
 
+import math
 import random
 
 from lightning_dynamix.placement.catalogue import ResourceType
 from lightning_dynamix.placement.cost import CostModel
-from lightning_dynamix.placement.profile import LayerProfile, ModelProfile
+from lightning_dynamix.placement.profile import LayerProfile, ModelProfile, RunnerProfile
 
 GIB = 2**30
 
@@ -57,3 +58,49 @@ def random_problem(seed: int, layers: int | tuple[int, int], types: int | tuple[
     num_layers = layers if isinstance(layers, int) else rng.randint(*layers)
     num_types = types if isinstance(types, int) else rng.randint(*types)
     return CostModel(random_chain(rng, num_layers), random_catalogue(rng, num_types), rng.uniform(50, 2000), 10**6)
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    return math.exp(rng.uniform(math.log(low), math.log(high)))
+
+
+def random_recommendation_problem(seed: int, runner: bool = False) -> CostModel:
+    """A recommendation model's chain, shaped as the DLRM example's: 8-40 embedding tables (1 KiB to
+    40 GiB each), then 2-16 dense layers, on 2-4 random types, at 50 to 2 million samples/s.
+
+    With ``runner``, random terms of the offload runner (:class:`RunnerProfile`: its loop, batch,
+    optimiser, rows per table and their costs, a server's round trip and work per table), spread
+    over the ranges ``dynamix plan`` measures.
+    """
+    rng = random.Random(seed)
+    tables, dense = rng.randint(8, 40), rng.randint(2, 16)
+    layers = []
+    for index in range(tables + dense):
+        sparse = index < tables
+        layers.append(
+            LayerProfile(
+                name=f"layer{index}",
+                kind="sparse" if sparse else "dense",
+                seconds={"cpu": _log_uniform(rng, 1e-7, 1e-4) if sparse else _log_uniform(rng, 1e-6, 1e-3)},
+                parameter_bytes=int(_log_uniform(rng, 2**10, 40 * GIB) if sparse else _log_uniform(rng, 1e4, 1e8)),
+                activation_bytes=int(_log_uniform(rng, 64, 65536)),
+            )
+        )
+    profile = ModelProfile(tuple(layers), batch_size=256, step_seconds={})
+    resources = random_catalogue(rng, rng.randint(2, 4))
+    target = _log_uniform(rng, 50, 2e6)
+    if runner:
+        request = _log_uniform(rng, 1e-4, 3e-3)
+        terms = RunnerProfile(
+            batch_size=256,
+            step_seconds=_log_uniform(rng, 1e-3, 1e-2),
+            loader_seconds=_log_uniform(rng, 1e-5, 2e-3),
+            optimizer_seconds=_log_uniform(rng, 1e-5, 1e-3),
+            rows={layer.name: float(int(_log_uniform(rng, 1, 256))) for layer in layers if layer.kind == "sparse"},
+            trainer_row_seconds=_log_uniform(rng, 1e-8, 1e-6),
+            server_row_seconds=_log_uniform(rng, 1e-8, 1e-6),
+            request_seconds=request,
+            server_table_seconds=request * rng.uniform(0, 1),
+        )
+        profile = profile.with_runner(terms)
+    return CostModel(profile, resources, target, 10**6)

@@ -12,10 +12,16 @@ import torch
 
 from lightning_dynamix.placement import InfeasibleError, solve_dp
 from lightning_dynamix.placement.cost import CostModel
-from lightning_dynamix.placement.random_chains import random_catalogue, random_chain, random_problem
+from lightning_dynamix.placement.random_chains import (
+    random_catalogue,
+    random_chain,
+    random_problem,
+    random_recommendation_problem,
+)
 from lightning_dynamix.placement.rl import (
     PlacementEnv,
     RLScheduler,
+    _decode,
     _new_ppo,
     load_rl_scheduler,
     observation,
@@ -79,6 +85,45 @@ def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_
     continued = train_rl_scheduler([model], timesteps=512, init=path, n_envs=1)
     assert continued.training["init"]["timesteps"] == 60_000
     assert not list(temporary.iterdir())  # no stable-baselines3 log folder left behind
+
+
+def test_imitation_teaches_the_policy_the_exact_placements_then_ppo_trains_on():
+    problems = [random_problem(seed, (4, 12), (2, 3)) for seed in range(60_000, 60_020)]
+    optima = []
+    for model in problems:
+        names = [r.name for r in model.resources]
+        optima.append([names.index(name) for name in solve_dp(model).assignment])
+
+    def own_choices(scheduler: RLScheduler) -> int:  # problems whose most likely placement is the optimum
+        generator = torch.Generator()
+        return sum(_decode(m, scheduler, 0, 0, generator) == best for m, best in zip(problems, optima, strict=True))
+
+    untrained = RLScheduler(_new_ppo(PlacementEnv(problems), seed=0).policy)
+    taught = train_rl_scheduler(problems, timesteps=0, n_envs=1, imitation=20, imitation_epochs=300)
+    assert taught.training["imitation"]["solved"] == 20
+    assert taught.training["imitation"]["decisions"] == sum(m.num_layers for m in problems)
+    found = own_choices(taught), own_choices(untrained)
+    assert found[0] >= 18, found  # of 20
+    assert found[0] >= found[1] + 8, found
+    continued = train_rl_scheduler(problems, timesteps=512, init=taught, n_envs=1)  # PPO goes on from it
+    assert continued.training["init"]["imitation"]["solved"] == 20
+    with pytest.raises(ValueError, match="`imitation` must be an int >= 0, got -1"):
+        train_rl_scheduler(problems, imitation=-1)
+
+
+def test_recommendation_problems_are_tables_then_dense_layers_with_the_runners_terms_when_asked():
+    for seed in range(5):
+        plain, priced = random_recommendation_problem(seed), random_recommendation_problem(seed, runner=True)
+        kinds = [layer.kind for layer in plain.profile.layers]
+        tables = kinds.count("sparse")
+        assert 8 <= tables <= 40
+        assert 2 <= len(kinds) - tables <= 16
+        assert kinds == ["sparse"] * tables + ["dense"] * (len(kinds) - tables)
+        assert plain.profile.runner is None
+        runner = priced.profile.runner
+        assert runner is not None
+        assert set(runner.rows) == {layer.name for layer in priced.profile.layers if layer.kind == "sparse"}
+        assert 0 <= runner.server_table_seconds <= runner.request_seconds
 
 
 def test_bad_scheduler_files_and_too_many_types_are_refused(tmp_path):
