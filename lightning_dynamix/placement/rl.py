@@ -186,8 +186,8 @@ def _new_ppo(env: gym.Env, seed: int, **kwargs: Any) -> Any:
 
 
 def default_scheduler_path() -> Path:
-    """The scheduler that ships with the package: ``train_rl_scheduler(imitation=4000, timesteps=0, n_envs=8,
-    seed=0)`` (the exact placements of 4,000 problems of :func:`training_problem`)."""
+    """The scheduler that ships with the package: ``train_rl_scheduler(imitation=30000, timesteps=0, n_envs=8,
+    seed=0, imitation_epochs=30)`` (the exact placements of 30,000 problems of :func:`training_problem`)."""
     return Path(str(resources.files("lightning_dynamix.placement") / "schedulers" / "default.safetensors"))
 
 
