@@ -225,15 +225,15 @@ class EmbeddingServer:
             shard = self.tables[name]
             taken = [(push[name], weight) for push, weight in ordered if name in push]
             if len(taken) == 1 and _ascending(taken[0][0][0]):  # one trainer's distinct rows: nothing to sum
-                (unique, summed), weight = taken[0]
-                summed = summed * weight if weight != 1.0 else summed
+                (unique, summed), scale = taken[0]
             else:
                 rows = torch.cat([rows for (rows, _), _ in taken])
                 grads = torch.cat([grads if common is not None else grads * weight for (_, grads), weight in taken])
                 unique, inverse = torch.unique(rows, sorted=True, return_inverse=True)
                 summed = grads.new_zeros((len(unique), grads.shape[1])).index_add_(0, inverse, grads)
-                if common is not None and common != 1.0:
-                    summed.mul_(common)
+                scale = 1.0 if common is None else common  # unequal weights are in the gradients already
+            if scale != 1.0:
+                summed = summed * scale
             if self.staleness:  # a lookup may still ask for the table before this update
                 self._overwritten.setdefault(step, {})[name] = (unique, shard.lookup(unique))
             shard.update(unique, summed)

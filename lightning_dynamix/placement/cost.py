@@ -228,6 +228,7 @@ class CostModel:
         self._seconds: list[list[float]] = []
         self._fixed: list[float] = []  # per type: what a stage of dense layers pays per sample beyond them
         self._served: list[list[float]] = []  # per type, prefix sums: tables an embedding server would hold
+        self._request: list[float] = []  # per type: what each embedding server adds to a step, per sample
         runner = profile.runner
         for resource in self.resources:
             device = "cuda" if resource.device == "gpu" and "cuda" in profile.devices else "cpu"
@@ -237,11 +238,14 @@ class CostModel:
                     f" {device} (it has {list(profile.devices)}): profile the model on {device}"
                 )
             seconds = [layer.seconds[device] / resource.speed(layer.kind) for layer in layers]
-            fixed, served = 0.0, [0] * n
+            fixed, served, request = 0.0, [0] * n, 0.0
             if runner is not None:
                 if resource.device == "cpu":  # the strategy serves these tables from embedding servers
                     speed = resource.speed("sparse")
                     row = runner.trainer_row_seconds + runner.server_row_seconds / speed
+                    # its round trip as measured; its work on its tables, as its rows, at the type's speed
+                    table_work = runner.server_table_seconds
+                    request = (runner.request_seconds - table_work + table_work / speed) / runner.batch_size
                     for index, layer in enumerate(layers):
                         if layer.kind == "sparse":
                             seconds[index] += runner.rows.get(layer.name, 0.0) * row / runner.batch_size
@@ -253,18 +257,7 @@ class CostModel:
             self._seconds.append(_prefix(seconds))
             self._fixed.append(fixed)
             self._served.append(_prefix(served))
-        # per type: what each server adds to a step; its work on its tables runs at the type's speed
-        self._request = [
-            0.0
-            if runner is None
-            else (
-                runner.request_seconds
-                - runner.server_table_seconds
-                + runner.server_table_seconds / resource.speed("sparse")
-            )
-            / runner.batch_size
-            for resource in self.resources
-        ]
+            self._request.append(request)
         self.runner = None if runner is None else runner.to_dict()
         self._dense = _prefix([layer.parameter_bytes if layer.kind == "dense" else 0 for layer in layers])
         self._dense_count = _prefix([1 if layer.kind == "dense" else 0 for layer in layers])

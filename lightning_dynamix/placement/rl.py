@@ -264,7 +264,8 @@ def imitate(
 ) -> dict[str, Any]:
     """Teach ``policy`` (a stable-baselines3 actor-critic policy) the exact solver's placements of
     ``count`` problems (drawn from ``problems``, or taken in turn from a list) by cross-entropy on
-    every decision; returns what it learned from and its accuracy over those decisions at the end."""
+    every decision; returns what it learned from and its ``accuracy``: the share of those decisions its
+    most likely type got right in the last epoch, each batch before its own update."""
     rng = random.Random(seed)
     observations, actions, solved = [], [], 0
     for draw in range(count):
