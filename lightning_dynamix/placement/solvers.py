@@ -155,6 +155,55 @@ def _relaxed_dp(model: CostModel) -> PlacementPlan | None:
     return model.plan_of_stages(stages[::-1], solver="dp")
 
 
+def completions(model: CostModel) -> list[list[tuple[float, float]]]:
+    """The relaxed programme run from the end of the chain: ``go[i][k]`` ranks (cost per hour, minus the
+    throughput) the cheapest placement of layers ``i..`` whose first stage, on type ``k``, starts at
+    ``i``; ``go[n]`` is the empty rest. Every placement that continues a given start is priced with it
+    (:func:`best_actions`), as the relaxed optimum is: each stage's units against its type alone."""
+    n, types = model.num_layers, len(model.resources)
+    go = [[(math.inf, 0.0)] * types for _ in range(n)] + [[(0.0, -math.inf)] * types]
+    for i in reversed(range(n)):
+        for k in range(types):
+            for j in range(i, n):
+                stage = model.stage(i, j, k)
+                rest = _after(go, j + 1, k)
+                if stage is not None and rest[0] < math.inf:
+                    go[i][k] = min(go[i][k], _rank(stage.cost_per_hour + rest[0], min(stage.throughput, -rest[1])))
+    return go
+
+
+def best_actions(model: CostModel, assignment: Sequence[int], go: list[list[tuple[float, float]]]) -> list[int]:
+    """The types for layer ``len(assignment)`` that the cheapest completion of ``assignment`` (resource
+    indices of the layers before it) starts with, given ``go = completions(model)``: every type within
+    a billionth of the cheapest cost (no tie-break: any of them is as cheap); empty when no completion
+    is feasible."""
+    m, types = len(assignment), len(model.resources)
+    if m == 0:
+        costs = [go[0][k][0] for k in range(types)]
+    else:
+        previous, start = assignment[-1], m - 1
+        while start > 0 and assignment[start - 1] == previous:
+            start -= 1
+        costs = []
+        for k in range(types):
+            if k == previous:  # the open stage goes on, to some later end
+                ends = [(model.stage(start, j, k), _after(go, j + 1, k)[0]) for j in range(m, model.num_layers)]
+            else:  # it ends here, and a stage on k starts
+                ends = [(model.stage(start, m - 1, previous), go[m][k][0])]
+            costs.append(min((s.cost_per_hour + rest for s, rest in ends if s is not None), default=math.inf))
+    best = min(costs)
+    if best == math.inf:
+        return []
+    return [k for k, cost in enumerate(costs) if cost <= best + 1e-9 * max(abs(best), 1.0)]
+
+
+def _after(go: list[list[tuple[float, float]]], i: int, k: int) -> tuple[float, float]:
+    """The best rest from layer ``i`` on whose first stage is not on type ``k`` (the empty rest at the end)."""
+    if i == len(go) - 1:
+        return go[i][0]
+    return min(go[i][kk] for kk in range(len(go[i])) if kk != k) if len(go[i]) > 1 else (math.inf, 0.0)
+
+
 def _pareto_dp(model: CostModel) -> PlacementPlan | None:
     n, types = model.num_layers, len(model.resources)
     available = [r.units for r in model.resources]

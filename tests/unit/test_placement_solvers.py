@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 
 import pytest
@@ -19,7 +21,7 @@ from lightning_dynamix.placement import (
     solve_greedy,
 )
 from lightning_dynamix.placement.random_chains import random_catalogue, random_chain
-from lightning_dynamix.placement.solvers import _pareto_dp, _relaxed_dp
+from lightning_dynamix.placement.solvers import _pareto_dp, _relaxed_dp, best_actions, completions
 
 GIB = 2**30
 
@@ -168,3 +170,22 @@ def test_bad_cost_model_arguments_are_refused():
     cuda_only = ModelProfile((LayerProfile("x", "dense", {"cuda": 1e-3}, 1, 1),), 1, {})
     with pytest.raises(ValueError, match="the profile has no time for cpu"):
         CostModel(cuda_only, resources, 10)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_best_next_types_start_the_cheapest_completion_of_any_placement_so_far(seed):
+    # what the RL scheduler imitates (DAgger): from any prefix, even a bad one, the types to go on with
+    rng = random.Random(seed)
+    model = CostModel(random_chain(rng, rng.randint(2, 6)), random_catalogue(rng, rng.randint(2, 3)), 800.0, 10**6)
+    n, types = model.num_layers, len(model.resources)
+    costs = {}
+    for assignment in itertools.product(range(types), repeat=n):
+        plan = model.plan(assignment)
+        costs[assignment] = math.inf if plan is None else plan.cost_per_hour
+    go = completions(model)
+    for length in range(n):
+        for prefix in itertools.product(range(types), repeat=length):
+            ahead = [min(c for a, c in costs.items() if a[: length + 1] == (*prefix, k)) for k in range(types)]
+            best = min(ahead)
+            expected = [] if best == math.inf else [k for k in range(types) if ahead[k] <= best * (1 + 1e-9)]
+            assert best_actions(model, prefix, go) == expected, (prefix, ahead)
