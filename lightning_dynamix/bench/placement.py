@@ -30,7 +30,7 @@ from lightning_dynamix.placement import (
     solve_greedy,
 )
 from lightning_dynamix.placement.random_chains import random_problem
-from lightning_dynamix.placement.rl import RLScheduler, load_rl_scheduler, solve_rl
+from lightning_dynamix.placement.rl import SEARCH_ROUNDS, RLScheduler, load_rl_scheduler, solve_rl
 
 HELD_OUT = 10_000_000  # training problems draw their seeds below 2**31 at random; these are fixed
 DLRM_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.95)  # of the most the catalogue reaches
@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-layers", type=int, default=12, help="layers per problem, 2 to this (default 12)")
     parser.add_argument("--types", type=int, default=4, help="resource types per problem (default 4)")
     parser.add_argument("--samples", type=int, default=32, help="sampled placements per RL solve (default 32)")
+    parser.add_argument(
+        "--search",
+        type=int,
+        default=SEARCH_ROUNDS,
+        help=f"rounds of active search per RL solve (default {SEARCH_ROUNDS}; 0: the policy alone)",
+    )
     parser.add_argument("--dp-layers", type=int, default=100, help="layers of the DP timing problems (default 100)")
     parser.add_argument("--dp-problems", type=int, default=20, help="DP timing problems (default 20)")
     parser.add_argument("--skip-dlrm", action="store_true", help="leave out the DLRM example")
@@ -51,6 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _gaps(args: argparse.Namespace) -> dict[str, Any]:
     scheduler = load_rl_scheduler(args.scheduler)
     rl, greedy, skipped = [], [], 0
+
+    def rl_solve(model: CostModel) -> Any:
+        return solve_rl(model, scheduler, args.samples, search=args.search)
+
     for index in range(args.problems):
         model = random_problem(HELD_OUT + index, (2, args.max_layers), args.types)
         try:
@@ -58,7 +68,7 @@ def _gaps(args: argparse.Namespace) -> dict[str, Any]:
         except InfeasibleError:
             skipped += 1  # no placement at all: nothing to compare
             continue
-        for gaps, solve in ((rl, lambda m: solve_rl(m, scheduler, samples=args.samples)), (greedy, solve_greedy)):
+        for gaps, solve in ((rl, rl_solve), (greedy, solve_greedy)):
             try:
                 gaps.append(solve(model).cost_per_hour / best - 1)
             except InfeasibleError:
@@ -107,7 +117,9 @@ def _dlrm(args: argparse.Namespace, scheduler: RLScheduler) -> list[dict[str, An
                     "target": fraction * reach,
                     "fraction_of_reach": fraction,
                     "optimum_per_hour": best,
-                    "rl_gap": _solve_gap(lambda m: solve_rl(m, scheduler, samples=args.samples), problem, best),
+                    "rl_gap": _solve_gap(
+                        lambda m: solve_rl(m, scheduler, args.samples, search=args.search), problem, best
+                    ),
                     "greedy_gap": _solve_gap(solve_greedy, problem, best),
                 }
             )
@@ -129,6 +141,11 @@ def _dp_time(args: argparse.Namespace) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.samples < 0 or args.search < 0 or (args.search and args.samples < 2):
+        raise SystemExit(
+            "dynamix bench placement: --samples must be >= 0 (>= 2 with --search, whose rounds draw that many)"
+            f" and --search >= 0, got --samples {args.samples} and --search {args.search}"
+        )
     result = {"benchmark": "placement", "config": _config(args), "machine": _machine()}
     result["against_exact"] = _gaps(args)
     result["dp_solve_time"] = _dp_time(args)

@@ -30,7 +30,7 @@ from lightning_dynamix.placement import (
     solve_greedy,
 )
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS, layer_names
-from lightning_dynamix.placement.rl import load_rl_scheduler, solve_rl
+from lightning_dynamix.placement.rl import SEARCH_ROUNDS, load_rl_scheduler, solve_rl
 
 SOLVERS = ("dp", "greedy", "rl")
 
@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--scheduler", type=Path, default=None, help="the RL scheduler file for --solver rl (default: the shipped one)"
+    )
+    parser.add_argument(
+        "--rl-search",
+        type=int,
+        default=SEARCH_ROUNDS,
+        help=f"rounds of active search on the model for --solver rl (default {SEARCH_ROUNDS}; 0: the policy alone)",
     )
     parser.add_argument("--epochs", type=int, default=1, help="epochs the training cost is for (default 1)")
     parser.add_argument(
@@ -94,6 +100,8 @@ def _model_and_data(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.rl_search < 0:
+        raise SystemExit(f"dynamix plan: --rl-search must be >= 0 (0: the policy alone), got {args.rl_search}")
     resources = load_catalogue(args.resources)
     model, data = _model_and_data(args)
     if hasattr(data, "setup"):
@@ -114,7 +122,7 @@ def run(args: argparse.Namespace) -> None:
     cost = CostModel(profile, resources, args.throughput, training_samples=samples)
     try:
         if args.solver == "rl":
-            plan = solve_rl(cost, load_rl_scheduler(args.scheduler))
+            plan = solve_rl(cost, load_rl_scheduler(args.scheduler), search=args.rl_search)
         else:
             plan = solve_dp(cost) if args.solver == "dp" else solve_greedy(cost)
     except ValueError as error:  # InfeasibleError too

@@ -52,6 +52,30 @@ def random_catalogue(rng: random.Random, types: int, scarce: bool = False) -> li
     return resources
 
 
+def cloud_catalogue(rng: random.Random, types: int) -> list[ResourceType]:
+    """``types`` resource types drawn as a cloud's are: each a CPU or a GPU type, with the spread real
+    ones have: a GPU up to 300 times a CPU core on dense layers and up to 10 times on tables, prices of
+    0.1 to 10 per hour, and from 1 to 64 units to rent."""
+    resources = []
+    for index in range(types):
+        gpu = rng.random() < 0.5
+        resources.append(
+            ResourceType(
+                name=f"type{index}",
+                device="gpu" if gpu else "cpu",
+                price_per_hour=_log_uniform(rng, 0.3, 10.0) if gpu else _log_uniform(rng, 0.1, 3.0),
+                units=rng.randint(1, 16) if gpu else rng.randint(2, 64),
+                memory_bytes=int((_log_uniform(rng, 8, 96) if gpu else _log_uniform(rng, 16, 512)) * GIB),
+                link_bandwidth=_log_uniform(rng, 1e8, 2e10),
+                relative_speed={
+                    "dense": _log_uniform(rng, 5, 300) if gpu else _log_uniform(rng, 1, 20),
+                    "sparse": _log_uniform(rng, 1, 10),
+                },
+            )
+        )
+    return resources
+
+
 def random_problem(seed: int, layers: int | tuple[int, int], types: int | tuple[int, int]) -> CostModel:
     """A cost model of a random chain and catalogue (sizes fixed, or drawn from inclusive ranges)."""
     rng = random.Random(seed)
@@ -66,7 +90,8 @@ def _log_uniform(rng: random.Random, low: float, high: float) -> float:
 
 def random_recommendation_problem(seed: int, runner: bool = False) -> CostModel:
     """A recommendation model's chain, shaped as the DLRM example's: 8-40 embedding tables (1 KiB to
-    40 GiB each), then 2-16 dense layers, on 2-4 random types, at 50 to 2 million samples/s.
+    40 GiB each), then 2-16 dense layers, on 2-4 types of a :func:`cloud_catalogue`, at 50 to 20
+    million samples/s.
 
     With ``runner``, random terms of the offload runner (:class:`RunnerProfile`: its loop, batch,
     optimiser, rows per table and their costs, a server's round trip and work per table), spread
@@ -87,8 +112,8 @@ def random_recommendation_problem(seed: int, runner: bool = False) -> CostModel:
             )
         )
     profile = ModelProfile(tuple(layers), batch_size=256, step_seconds={})
-    resources = random_catalogue(rng, rng.randint(2, 4))
-    target = _log_uniform(rng, 50, 2e6)
+    resources = cloud_catalogue(rng, rng.randint(2, 4))
+    target = _log_uniform(rng, 50, 2e7)
     if runner:
         request = _log_uniform(rng, 1e-4, 3e-3)
         terms = RunnerProfile(

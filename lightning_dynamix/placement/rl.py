@@ -4,7 +4,9 @@ An episode places one chain, layer after layer. The observation describes the cu
 kind, size and position), each resource type as seen by that layer: the units it would need for the
 target alone and within the stage it would join, its price, memory fit and units, the units and fit
 of the whole rest of the chain on it, the cost of the whole placement if this layer and all after it
-went to it (over the reward's scale, below), and the type chosen for the layer before. The action
+went to it (over the reward's scale, below), the cost of the cheapest placement where this layer's
+stage on it ends anywhere and one stage of another type takes the rest (each stage priced alone),
+and the type chosen for the layer before. The action
 is a type. When the last layer is placed the cost model prices the placement. The reward is minus
 its cost per hour, divided by the cheapest single-type placement of the same problem, so problems
 of any scale weigh alike; a placement that breaks a constraint gets ``-INFEASIBLE_PENALTY``.
@@ -13,9 +15,9 @@ The policy is trained with stable-baselines3's PPO on random problems
 (:mod:`~lightning_dynamix.placement.random_chains`) or on given ones, after learning the exact
 solver's placements of some of them (``imitation``: behaviour cloning, a cross-entropy over every
 decision), and can continue from a saved scheduler (``init``), for instance to specialise a general
-scheduler to one model. :func:`solve_rl`
-decodes a placement with it, the policy's most likely types and ``samples`` sampled placements,
-and keeps the cheapest feasible one.
+scheduler to one model. :func:`solve_rl` decodes a placement with it: the policy's most likely
+types, ``samples`` sampled placements, and the placements of an active search (a copy of the policy
+trained by policy gradients on that one problem); it keeps the cheapest feasible one.
 
 Scheduler files hold only tensors and JSON (safetensors), like the batch-size policy files, so
 loading one never runs code.
@@ -23,9 +25,11 @@ loading one never runs code.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -38,15 +42,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lightning_dynamix._checks import require_int
+from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix.placement.cost import CostModel, PlacementPlan
 from lightning_dynamix.placement.random_chains import random_problem, random_recommendation_problem
-from lightning_dynamix.placement.solvers import _relaxed_dp, cheapest_feasible
+from lightning_dynamix.placement.solvers import _relaxed_dp, best_actions, cheapest_feasible, completions
 
 MAX_TYPES = 4
 INFEASIBLE_PENALTY = 3.0
 MAX_TEMPERATURE = 4.0  # of the last sampled placement in solve_rl
-TYPE_FEATURES = 12
+SEARCH_ROUNDS = 10  # of active search in solve_rl, by default
+TYPE_FEATURES = 14
 LAYER_FEATURES = 5
 OBSERVATION_SIZE = LAYER_FEATURES + MAX_TYPES * TYPE_FEATURES + MAX_TYPES + 1
 _FORMAT = "lightning-dynamix-placement-scheduler"
@@ -134,12 +139,20 @@ def observation(model: CostModel, assignment: Sequence[int], reference: float | 
     while stage_start > 0 and assignment[stage_start - 1] == previous:
         stage_start -= 1
     cheapest = min(r.price_per_hour for r in model.resources) or 1.0
+    closed = _closed(model, assignment, stage_start)
+    open_cost = 0.0
+    if index > 0 and closed is not None:
+        open_stage = model.stage(stage_start, index - 1, previous)
+        open_cost = math.inf if open_stage is None else open_stage.cost_per_hour
     for k, resource in enumerate(model.resources):
         seconds = model.stage_seconds(index, index, k)
         joined = model.stage_seconds(stage_start, index, k) if k == previous and index > 0 else seconds
         fits = model.stage(index, index, k) is not None
         # the whole placement if this layer and all after it went to k: its cost, over the reference
-        completed = model.plan([*assignment, *[k] * (n - index)])
+        completed = _completed(model, closed, stage_start, index, previous, k)
+        # the cheapest placement where k's stage ends somewhere and one stage of another type takes the rest
+        switched = math.inf if closed is None else closed[0]
+        switched += _switch_once(model, stage_start, index, previous, k, open_cost)
         base = LAYER_FEATURES + k * TYPE_FEATURES
         out[base : base + TYPE_FEATURES] = [
             1.0,
@@ -152,11 +165,91 @@ def observation(model: CostModel, assignment: Sequence[int], reference: float | 
             _log(resource.units),
             _log(model.target * model.stage_seconds(index, n - 1, k)),  # units if the rest all went here
             1.0 if model.stage(index, n - 1, k) is not None else 0.0,  # and whether that would fit
-            0.0 if completed is None else _log(completed.cost_per_hour / reference),
+            0.0 if completed is None else _log(completed / reference),
             1.0 if completed is not None else 0.0,
+            0.0 if switched == math.inf else _log(switched / reference),
+            1.0 if switched < math.inf else 0.0,
         ]
     out[LAYER_FEATURES + MAX_TYPES * TYPE_FEATURES + (previous + 1 if previous >= 0 else 0)] = 1.0
     return out
+
+
+# per problem: the cheapest one-switch rests of _switch_once, and the single stages after them
+_SWITCHES: weakref.WeakKeyDictionary[CostModel, dict[tuple[str, int, int], Any]] = weakref.WeakKeyDictionary()
+
+
+def _switch_once(model: CostModel, start: int, index: int, previous: int, k: int, open_cost: float) -> float:
+    """The cheapest cost per hour of the layers from ``start`` on (the stages before it left out) where
+    layer ``index`` goes to ``k`` and at most one stage of another type follows k's, to the end (each
+    stage priced alone, as the relaxed programme does; ``open_cost``: the open stage ``start..index-1``
+    on ``previous``, for when it ends here). Computed once per problem for every stage start and type:
+    O(layers^2 x types) in all."""
+    if k == previous and index > 0:  # the open stage goes on
+        return _one_switch(model, start, k)[index - start]
+    return open_cost + _one_switch(model, index, k)[0]
+
+
+def _one_switch(model: CostModel, first: int, k: int) -> list[float]:
+    """Per ``index >= first``: the cheapest stage ``first..last`` on ``k`` with ``last >= index``, plus
+    the cheapest single stage after it on another type."""
+    cache = _SWITCHES.setdefault(model, {})
+    key = ("switch", first, k)
+    if key not in cache:
+        best, found = math.inf, []
+        for last in reversed(range(first, model.num_layers)):
+            stage = model.stage(first, last, k)
+            if stage is not None:
+                best = min(best, stage.cost_per_hour + _tail(model, cache, last + 1, k))
+            found.append(best)
+        cache[key] = found[::-1]
+    return cache[key]
+
+
+def _tail(model: CostModel, cache: dict[tuple[str, int, int], Any], first: int, k: int) -> float:
+    """The cheapest single stage of layers ``first..`` on a type other than ``k`` (0 past the last layer)."""
+    if first == model.num_layers:
+        return 0.0
+    key = ("tail", first, k)
+    if key not in cache:
+        stages = [model.stage(first, model.num_layers - 1, kk) for kk in range(len(model.resources)) if kk != k]
+        cache[key] = min((stage.cost_per_hour for stage in stages if stage is not None), default=math.inf)
+    return cache[key]
+
+
+def _closed(model: CostModel, assignment: Sequence[int], end: int) -> tuple[float, list[int]] | None:
+    """The cost per hour and units per type of the stages of ``assignment[:end]``; None if one is infeasible."""
+    cost, units, first = 0.0, [0] * len(model.resources), 0
+    for index in range(1, end + 1):
+        if index == end or assignment[index] != assignment[first]:
+            stage = model.stage(first, index - 1, assignment[first])
+            if stage is None:
+                return None
+            cost += stage.cost_per_hour
+            units[assignment[first]] += stage.units
+            first = index
+    return cost, units
+
+
+def _completed(
+    model: CostModel, closed: tuple[float, list[int]] | None, start: int, index: int, previous: int, k: int
+) -> float | None:
+    """The cost per hour of the placement whose stages before ``start`` are ``closed``, whose open stage
+    ``start..index-1`` is on ``previous``, and whose layers from ``index`` on all go to ``k`` (what
+    ``model.plan`` of it would say; None where it is infeasible)."""
+    if closed is None:
+        return None
+    n = model.num_layers
+    ranges = [(start, n - 1, k)] if k == previous or index == 0 else [(start, index - 1, previous), (index, n - 1, k)]
+    cost, units = closed[0], list(closed[1])
+    for first, last, resource in ranges:
+        stage = model.stage(first, last, resource)
+        if stage is None:
+            return None
+        cost += stage.cost_per_hour
+        units[resource] += stage.units
+    if any(used > resource.units for used, resource in zip(units, model.resources, strict=True)):
+        return None
+    return cost
 
 
 @dataclass
@@ -225,7 +318,7 @@ def train_rl_scheduler(
 
     With ``imitation``, the policy first learns the exact solver's placements of that many problems
     drawn from ``problems`` (behaviour cloning: ``imitation_epochs`` passes of cross-entropy over
-    every decision), then PPO trains it ``timesteps`` steps (0: none). Problems whose optimum needs
+    every decision, see :func:`imitate`), then PPO trains it ``timesteps`` steps (0: none). Problems whose optimum needs
     the scarce-units programme (see :func:`~lightning_dynamix.placement.solve_dp`), or have no
     feasible placement, are left out of the imitation.
     """
@@ -260,14 +353,23 @@ def train_rl_scheduler(
 
 
 def imitate(
-    policy: Any, problems: Sequence[CostModel] | ProblemSource, count: int, epochs: int = 25, seed: int = 0
+    policy: Any,
+    problems: Sequence[CostModel] | ProblemSource,
+    count: int,
+    epochs: int = 25,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Teach ``policy`` (a stable-baselines3 actor-critic policy) the exact solver's placements of
     ``count`` problems (drawn from ``problems``, or taken in turn from a list) by cross-entropy on
-    every decision; returns what it learned from and its ``accuracy``: the share of those decisions its
-    most likely type got right in the last epoch, each batch before its own update."""
+    every decision. A decision's target is every type that the cheapest completion of the placement
+    so far starts with (:func:`~lightning_dynamix.placement.solvers.best_actions`), shared equally:
+    placements of equal cost are all right. Returns what it learned from and its ``accuracy``: the
+    share of the decisions whose most likely type is one of their targets in the last epoch, each
+    batch before its own update."""
     rng = random.Random(seed)
-    observations, actions, solved = [], [], 0
+    observations: list[np.ndarray] = []
+    targets: list[np.ndarray] = []
+    solved = 0
     for draw in range(count):
         model = problems(rng) if callable(problems) else problems[draw % len(problems)]
         _check_types(model)
@@ -276,28 +378,41 @@ def imitate(
             continue
         solved += 1
         index = {resource.name: k for k, resource in enumerate(model.resources)}
-        assignment = [index[name] for name in plan.assignment]
-        reference = reference_cost(model)
-        for layer in range(model.num_layers):
-            observations.append(observation(model, assignment[:layer], reference))
-            actions.append(assignment[layer])
+        _label(model, [index[name] for name in plan.assignment], observations, targets)
     if not observations:
         raise ValueError(f"none of the {count} problems drawn has a placement the exact solver could imitate")
-    inputs, targets = torch.as_tensor(np.stack(observations)), torch.as_tensor(actions)
+    accuracy = _fit(policy, observations, targets, epochs, torch.Generator().manual_seed(seed))
+    return {"problems": count, "solved": solved, "decisions": len(observations), "epochs": epochs, "accuracy": accuracy}
+
+
+def _label(model: CostModel, assignment: Sequence[int], observations: list, targets: list) -> None:
+    """Every decision of the optimal ``assignment``, with all its best types."""
+    go = completions(model)
+    reference = reference_cost(model)
+    for layer in range(model.num_layers):
+        best = best_actions(model, assignment[:layer], go)
+        target = np.zeros(MAX_TYPES, np.float32)
+        target[best] = 1.0 / len(best)
+        observations.append(observation(model, assignment[:layer], reference))
+        targets.append(target)
+
+
+def _fit(policy: Any, observations: list, targets: list, epochs: int, generator: torch.Generator) -> float:
+    """``epochs`` passes of cross-entropy over the decisions; the last pass's accuracy."""
     optimizer = torch.optim.Adam(policy.parameters(), lr=1e-3)
-    generator = torch.Generator().manual_seed(seed)
+    inputs, wanted = torch.as_tensor(np.stack(observations)), torch.as_tensor(np.stack(targets))
     correct = 0
     for _ in range(epochs):
         correct = 0
         for batch in torch.randperm(len(inputs), generator=generator).split(512):
             logits = policy.get_distribution(inputs[batch]).distribution.logits
-            loss = torch.nn.functional.cross_entropy(logits, targets[batch])
+            loss = torch.nn.functional.cross_entropy(logits, wanted[batch])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            correct += int((logits.detach().argmax(1) == targets[batch]).sum())
-    accuracy = correct / len(inputs)
-    return {"problems": count, "solved": solved, "decisions": len(inputs), "epochs": epochs, "accuracy": accuracy}
+            chosen = logits.detach().argmax(1)
+            correct += int((wanted[batch].gather(1, chosen.unsqueeze(1)) > 0).sum())
+    return correct / len(inputs)
 
 
 def training_problem(rng: random.Random) -> CostModel:
@@ -319,30 +434,108 @@ def _describe(problems: object) -> str:
     return f"{len(problems)} given problems"  # type: ignore[arg-type]
 
 
-def solve_rl(model: CostModel, scheduler: RLScheduler, samples: int = 32, seed: int = 0) -> PlacementPlan:
-    """The cheapest feasible placement among the policy's most likely one and ``samples`` sampled ones."""
+def solve_rl(
+    model: CostModel,
+    scheduler: RLScheduler,
+    samples: int = 32,
+    seed: int = 0,
+    search: int = SEARCH_ROUNDS,
+    search_learning_rate: float = 1e-3,
+) -> PlacementPlan:
+    """The cheapest feasible placement among the policy's most likely one, ``samples`` sampled ones (at
+    a rising temperature), and those of ``search`` rounds of active search.
+
+    Active search (Bello, Pham, Le, Norouzi and Bengio, 2016) trains a copy of the policy on this one
+    problem: each round draws ``samples`` placements from it and takes a policy-gradient step
+    (REINFORCE, the round's mean reward as the baseline) toward the cheaper ones. It finds what the
+    policy alone misses where a better placement needs several decisions changed together; ``search=0``
+    leaves the policy as it is. ``scheduler`` is never changed.
+
+    Raises:
+        ValueError: for a bad argument, or a problem of more resource types than the policy places on.
+    """
     _check_types(model)
+    require_int("samples", samples, 0)
+    require_int("search", search, 0)
+    if search and samples < 2:
+        raise ValueError(f"active search compares the placements of a round: `samples` must be >= 2, got {samples}")
+    require_number("search_learning_rate", search_learning_rate, 0.0, low_open=True)
     generator = torch.Generator().manual_seed(seed)
-    return cheapest_feasible(
-        model, (_decode(model, scheduler, a, samples, generator) for a in range(samples + 1)), "rl"
-    )
-
-
-def _decode(
-    model: CostModel, scheduler: RLScheduler, attempt: int, samples: int, generator: torch.Generator
-) -> list[int]:
-    """Attempt 0: the policy's most likely types; then samples at a rising temperature."""
-    assignment: list[int] = []
     reference = reference_cost(model)
+    # hotter and hotter: the later samples explore further from the policy's own choice
+    temperatures = [0.0] + [1.0 + (MAX_TEMPERATURE - 1.0) * attempt / samples for attempt in range(1, samples + 1)]
+    placements = _rollouts(model, scheduler.policy, temperatures, generator, reference)[0]
+    if search:
+        costs = [plan.cost_per_hour for plan in map(model.plan, placements) if plan is not None]
+        scale = min(costs) if costs and min(costs) > 0 else reference  # what the search's rewards are over
+        placements += _active_search(model, scheduler.policy, search, samples, search_learning_rate, generator, scale)
+    return cheapest_feasible(model, placements, "rl")
+
+
+def _active_search(
+    model: CostModel,
+    policy: Any,
+    rounds: int,
+    batch: int,
+    learning_rate: float,
+    generator: torch.Generator,
+    scale: float,
+) -> list[list[int]]:
+    """The placements drawn in ``rounds`` rounds of REINFORCE on ``model`` alone, by a copy of ``policy``
+    (``scale``: the cost per hour the rewards are over)."""
+    policy = copy.deepcopy(policy)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=learning_rate)
+    reference, types = reference_cost(model), len(model.resources)
+    found: list[list[int]] = []
+    for _ in range(rounds):
+        placements, inputs, actions = _rollouts(model, policy, [1.0] * batch, generator, reference)
+        found += placements
+        rewards = torch.tensor([_search_reward(model, placement, scale) for placement in placements])
+        advantage = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
+        logits = policy.get_distribution(inputs.flatten(0, 1)).distribution.logits[:, :types]
+        chosen = torch.log_softmax(logits, 1).gather(1, actions.reshape(-1, 1)).view(batch, -1).sum(1)
+        loss = -(advantage * chosen).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return found
+
+
+def _search_reward(model: CostModel, placement: Sequence[int], scale: float) -> float:
+    """Minus the cost per hour over ``scale`` (the cheapest placement found before the search), at most
+    ``INFEASIBLE_PENALTY``; a placement that breaks a constraint gets less, and is told apart from
+    another by how far it is from the units there are, so that a search whose draws all break one still
+    learns: ``-INFEASIBLE_PENALTY`` less, per type, the units its stages would need at the target
+    beyond those there are, over those there are (at most 10), less a millionth."""
+    plan = model.plan(placement)
+    if plan is not None:
+        return -min(plan.cost_per_hour / scale, INFEASIBLE_PENALTY)
+    needed, first = [0.0] * len(model.resources), 0
+    for index in range(1, model.num_layers + 1):
+        if index == model.num_layers or placement[index] != placement[first]:
+            needed[placement[first]] += model.target * model.stage_seconds(first, index - 1, placement[first])
+            first = index
+    beyond = sum(max(0.0, units - r.units) / r.units for units, r in zip(needed, model.resources, strict=True))
+    return -INFEASIBLE_PENALTY - min(beyond, 10.0) - 1e-6
+
+
+def _rollouts(
+    model: CostModel, policy: Any, temperatures: Sequence[float], generator: torch.Generator, reference: float
+) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """One placement per temperature, all decided together, layer after layer: at 0 the policy's most
+    likely type, else a type drawn at that temperature. Also returns what the policy saw, ``(placements,
+    layers, observation)``, and the types chosen, ``(placements, layers)``."""
+    placements: list[list[int]] = [[] for _ in temperatures]
+    heat = torch.tensor(temperatures, dtype=torch.float32).unsqueeze(1)
+    seen, chosen = [], []
     for _ in range(model.num_layers):
-        obs = torch.as_tensor(observation(model, assignment, reference)).unsqueeze(0)
+        inputs = torch.as_tensor(np.stack([observation(model, placement, reference) for placement in placements]))
         with torch.no_grad():
-            logits = scheduler.policy.get_distribution(obs).distribution.logits[0, : len(model.resources)]
-        if attempt == 0:
-            action = int(torch.argmax(logits))
-        else:
-            # hotter and hotter: the later samples explore further from the policy's own choice
-            temperature = 1.0 + (MAX_TEMPERATURE - 1.0) * attempt / samples
-            action = int(torch.multinomial(torch.softmax(logits / temperature, 0), 1, generator=generator))
-        assignment.append(action)
-    return assignment
+            logits = policy.get_distribution(inputs).distribution.logits[:, : len(model.resources)]
+        drawn = torch.multinomial(torch.softmax(logits / heat.clamp(min=1e-6), 1), 1, generator=generator)
+        actions = torch.where(heat > 0, drawn, logits.argmax(1, keepdim=True)).squeeze(1)
+        for placement, action in zip(placements, actions.tolist(), strict=True):
+            placement.append(action)
+        seen.append(inputs)
+        chosen.append(actions)
+    return placements, torch.stack(seen, 1), torch.stack(chosen, 1)

@@ -339,10 +339,11 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
 def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains_and_the_dlrm_example(tmp_path):
     out = tmp_path / "placement.json"
     dynamix_here(
-        "bench", "placement", "--problems", "3", "--max-layers", "6", "--samples", "2", "--dp-layers", "10",
-        "--dp-problems", "2", "--output", str(out), cwd=tmp_path,
+        "bench", "placement", "--problems", "3", "--max-layers", "6", "--samples", "2", "--search", "2",
+        "--dp-layers", "10", "--dp-problems", "2", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
+    assert result["config"]["search"] == 2
     for solver in ("rl", "greedy"):
         row = result["against_exact"][solver]
         assert row["problems"] + result["against_exact"]["skipped_infeasible_problems"] == 3
@@ -354,6 +355,8 @@ def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains
         assert row["optimum_per_hour"] > 0
         assert float(row["rl_gap"]) >= -1e-9
         assert float(row["greedy_gap"]) >= -1e-9
+    error = dynamix_here("bench", "placement", "--samples", "1", "--search", "3", cwd=tmp_path, fails=True)
+    assert "--samples must be >= 0 (>= 2 with --search" in error
 
 
 # the layers alone: what a step of the strategy pays beside them is measured in one test only
@@ -434,6 +437,14 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
     assert f"read from {saved}" in printed
     a, b = PlacementPlan.load(first), PlacementPlan.load(again)
     assert (a.assignment, a.cost_per_hour, a.throughput) == (b.assignment, b.cost_per_hour, b.throughput)
+    # the solvers compared on the one profile: the RL scheduler with its active search
+    rl = tmp_path / "rl.json"
+    args = [*without_repeats, "--throughput", "2000000", "--profile", str(saved), "--solver", "rl"]
+    dynamix_here(*args, "--rl-search", "2", "--output", str(rl), cwd=tmp_path)
+    assert PlacementPlan.load(rl).solver == "rl"
+    assert PlacementPlan.load(rl).cost_per_hour >= a.cost_per_hour * (1 - 1e-9)  # never below the optimum
+    error = dynamix_here(*args, "--rl-search", "-1", cwd=tmp_path, fails=True)
+    assert "--rl-search must be >= 0 (0: the policy alone), got -1" in error
     # a profile of another model (two tables instead of three), or one timed anew, is refused
     other = [*without_repeats]
     other[other.index("--data-args") + 1] = '{"num_samples": 1024, "table_sizes": [100, 2000], "batch_size": 128}'
