@@ -8,8 +8,9 @@ went to it (over the reward's scale, below), the cost of the cheapest placement 
 stage on it ends anywhere and one stage of another type takes the rest (each stage priced alone),
 and the type chosen for the layer before. The action
 is a type. When the last layer is placed the cost model prices the placement. The reward is minus
-its cost per hour, divided by the cheapest single-type placement of the same problem, so problems
-of any scale weigh alike; a placement that breaks a constraint gets ``-INFEASIBLE_PENALTY``.
+its cost per hour, divided by the cheapest single-type placement of the same problem (by the
+optimum's where no single type is feasible), so problems of any scale weigh alike; a placement that
+breaks a constraint gets ``-INFEASIBLE_PENALTY``.
 
 The policy is trained with stable-baselines3's PPO on random problems
 (:mod:`~lightning_dynamix.placement.random_chains`) or on given ones, after learning the exact
@@ -94,6 +95,7 @@ class PlacementEnv(gym.Env):
             self._draws += 1
         _check_types(self.model)
         self.reference = reference_cost(self.model)
+        self.scale = reward_scale(self.model, self.reference)
         self.assignment: list[int] = []
         return observation(self.model, self.assignment, self.reference), {}
 
@@ -102,7 +104,7 @@ class PlacementEnv(gym.Env):
         if len(self.assignment) < self.model.num_layers:
             return observation(self.model, self.assignment, self.reference), 0.0, False, False, {}
         plan = self.model.plan(self.assignment)
-        reward = -INFEASIBLE_PENALTY if plan is None else -plan.cost_per_hour / self.reference
+        reward = -INFEASIBLE_PENALTY if plan is None else -plan.cost_per_hour / self.scale
         return np.zeros(OBSERVATION_SIZE, np.float32), float(reward), True, False, {"plan": plan}
 
 
@@ -116,6 +118,18 @@ def reference_cost(model: CostModel) -> float:
     costs = [model.plan([k] * model.num_layers) for k in range(len(model.resources))]
     feasible = [plan.cost_per_hour for plan in costs if plan is not None]
     return min(feasible) if feasible and min(feasible) > 0 else 1.0
+
+
+def reward_scale(model: CostModel, reference: float | None = None) -> float:
+    """What an episode's cost per hour is divided by: the :func:`reference_cost` where a single-type
+    placement is feasible; where none is, the optimum's cost (the relaxed programme's, when it finds
+    one), so that a feasible placement's reward stays on the same scale, above a broken one's for
+    placements up to ``INFEASIBLE_PENALTY`` times the optimum; 1 where neither is found."""
+    reference = reference_cost(model) if reference is None else reference
+    if any(model.plan([k] * model.num_layers) is not None for k in range(len(model.resources))):
+        return reference
+    plan = _relaxed_dp(model)
+    return plan.cost_per_hour if plan is not None and plan.cost_per_hour > 0 else 1.0
 
 
 def observation(model: CostModel, assignment: Sequence[int], reference: float | None = None) -> np.ndarray:

@@ -19,6 +19,7 @@ from lightning_dynamix.placement.random_chains import (
     random_recommendation_problem,
 )
 from lightning_dynamix.placement.rl import (
+    INFEASIBLE_PENALTY,
     PlacementEnv,
     RLScheduler,
     _new_ppo,
@@ -128,6 +129,21 @@ def test_imitation_teaches_the_policy_the_exact_placements_then_ppo_trains_on():
     assert continued.training["init"]["imitation"]["solved"] == 20
     with pytest.raises(ValueError, match="`imitation` must be an int >= 0, got -1"):
         train_rl_scheduler(problems, imitation=-1)
+
+
+def test_where_no_single_type_is_feasible_a_feasible_placement_still_earns_more_than_a_broken_one():
+    model = random_recommendation_problem(31)  # 17 layers on 2 types, at 5.1 per hour at best
+    assert all(model.plan([k] * model.num_layers) is None for k in range(len(model.resources)))
+    names = [resource.name for resource in model.resources]
+    rewards = []
+    for placement in ([names.index(name) for name in solve_dp(model).assignment], [0] * model.num_layers):
+        env = PlacementEnv([model])
+        env.reset()
+        for action in placement:
+            _, reward, done, _, _ = env.step(action)
+        assert done
+        rewards.append(reward)
+    assert rewards == [pytest.approx(-1.0), -INFEASIBLE_PENALTY]  # the optimum, over itself; a broken one
 
 
 def test_recommendation_problems_are_tables_then_dense_layers_with_the_runners_terms_when_asked():
