@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -57,10 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _gaps(args: argparse.Namespace) -> dict[str, Any]:
     scheduler = load_rl_scheduler(args.scheduler)
     rl, greedy, skipped = [], [], 0
-
-    def rl_solve(model: CostModel) -> Any:
-        return solve_rl(model, scheduler, args.samples, search=args.search)
-
+    rl_solve = _rl_solver(args, scheduler)
     for index in range(args.problems):
         model = random_problem(HELD_OUT + index, (2, args.max_layers), args.types)
         try:
@@ -84,6 +82,10 @@ def _gaps(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, gaps in (("rl", rl), ("greedy", greedy))
     } | {"skipped_infeasible_problems": skipped, "scheduler_training": scheduler.training}
+
+
+def _rl_solver(args: argparse.Namespace, scheduler: RLScheduler) -> Any:
+    return functools.partial(solve_rl, scheduler=scheduler, samples=args.samples, search=args.search)
 
 
 def _solve_gap(solve: Any, model: CostModel, best: float) -> float:
@@ -117,9 +119,7 @@ def _dlrm(args: argparse.Namespace, scheduler: RLScheduler) -> list[dict[str, An
                     "target": fraction * reach,
                     "fraction_of_reach": fraction,
                     "optimum_per_hour": best,
-                    "rl_gap": _solve_gap(
-                        lambda m: solve_rl(m, scheduler, args.samples, search=args.search), problem, best
-                    ),
+                    "rl_gap": _solve_gap(_rl_solver(args, scheduler), problem, best),
                     "greedy_gap": _solve_gap(solve_greedy, problem, best),
                 }
             )

@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_dynamix._checks import require_int, require_number
-from lightning_dynamix.placement.cost import CostModel, PlacementPlan
+from lightning_dynamix.placement.cost import CostModel, PlacementPlan, Stage
 from lightning_dynamix.placement.random_chains import random_problem, random_recommendation_problem
 from lightning_dynamix.placement.solvers import _relaxed_dp, best_actions, cheapest_feasible, completions
 
@@ -95,7 +95,8 @@ class PlacementEnv(gym.Env):
             self._draws += 1
         _check_types(self.model)
         self.reference = reference_cost(self.model)
-        self.scale = reward_scale(self.model, self.reference)
+        # reference_cost falls back to 1 where no single type is feasible: only then is the scale another
+        self.scale = reward_scale(self.model) if self.reference == 1.0 else self.reference
         self.assignment: list[int] = []
         return observation(self.model, self.assignment, self.reference), {}
 
@@ -114,20 +115,23 @@ def _check_types(model: CostModel) -> None:
 
 
 def reference_cost(model: CostModel) -> float:
-    """The cheapest feasible single-type placement's cost per hour (the reward's scale); 1 if none is."""
-    costs = [model.plan([k] * model.num_layers) for k in range(len(model.resources))]
-    feasible = [plan.cost_per_hour for plan in costs if plan is not None]
+    """The cheapest feasible single-type placement's cost per hour (the observation's scale); 1 if none is."""
+    feasible = _single_type_costs(model)
     return min(feasible) if feasible and min(feasible) > 0 else 1.0
 
 
-def reward_scale(model: CostModel, reference: float | None = None) -> float:
+def _single_type_costs(model: CostModel) -> list[float]:
+    costs = [model.plan([k] * model.num_layers) for k in range(len(model.resources))]
+    return [plan.cost_per_hour for plan in costs if plan is not None]
+
+
+def reward_scale(model: CostModel) -> float:
     """What an episode's cost per hour is divided by: the :func:`reference_cost` where a single-type
     placement is feasible; where none is, the optimum's cost (the relaxed programme's, when it finds
     one), so that a feasible placement's reward stays on the same scale, above a broken one's for
     placements up to ``INFEASIBLE_PENALTY`` times the optimum; 1 where neither is found."""
-    reference = reference_cost(model) if reference is None else reference
-    if any(model.plan([k] * model.num_layers) is not None for k in range(len(model.resources))):
-        return reference
+    if _single_type_costs(model):
+        return reference_cost(model)
     plan = _relaxed_dp(model)
     return plan.cost_per_hour if plan is not None and plan.cost_per_hour > 0 else 1.0
 
@@ -154,16 +158,14 @@ def observation(model: CostModel, assignment: Sequence[int], reference: float | 
         stage_start -= 1
     cheapest = min(r.price_per_hour for r in model.resources) or 1.0
     closed = _closed(model, assignment, stage_start)
-    open_cost = 0.0
-    if index > 0 and closed is not None:
-        open_stage = model.stage(stage_start, index - 1, previous)
-        open_cost = math.inf if open_stage is None else open_stage.cost_per_hour
+    open_stage = model.stage(stage_start, index - 1, previous) if index > 0 and closed is not None else None
+    open_cost = 0.0 if index == 0 else math.inf if open_stage is None else open_stage.cost_per_hour
     for k, resource in enumerate(model.resources):
         seconds = model.stage_seconds(index, index, k)
         joined = model.stage_seconds(stage_start, index, k) if k == previous and index > 0 else seconds
         fits = model.stage(index, index, k) is not None
         # the whole placement if this layer and all after it went to k: its cost, over the reference
-        completed = _completed(model, closed, stage_start, index, previous, k)
+        completed = _completed(model, closed, open_stage, stage_start, index, previous, k)
         # the cheapest placement where k's stage ends somewhere and one stage of another type takes the rest
         switched = math.inf if closed is None else closed[0]
         switched += _switch_once(model, stage_start, index, previous, k, open_cost)
@@ -245,18 +247,26 @@ def _closed(model: CostModel, assignment: Sequence[int], end: int) -> tuple[floa
 
 
 def _completed(
-    model: CostModel, closed: tuple[float, list[int]] | None, start: int, index: int, previous: int, k: int
+    model: CostModel,
+    closed: tuple[float, list[int]] | None,
+    open_stage: Stage | None,
+    start: int,
+    index: int,
+    previous: int,
+    k: int,
 ) -> float | None:
     """The cost per hour of the placement whose stages before ``start`` are ``closed``, whose open stage
-    ``start..index-1`` is on ``previous``, and whose layers from ``index`` on all go to ``k`` (what
-    ``model.plan`` of it would say; None where it is infeasible)."""
+    ``start..index-1`` is on ``previous`` (``open_stage``, when it ends there), and whose layers from
+    ``index`` on all go to ``k`` (what ``model.plan`` of it would say; None where it is infeasible)."""
     if closed is None:
         return None
     n = model.num_layers
-    ranges = [(start, n - 1, k)] if k == previous or index == 0 else [(start, index - 1, previous), (index, n - 1, k)]
+    if k == previous or index == 0:
+        stages = [(model.stage(start, n - 1, k), k)]
+    else:
+        stages = [(open_stage, previous), (model.stage(index, n - 1, k), k)]
     cost, units = closed[0], list(closed[1])
-    for first, last, resource in ranges:
-        stage = model.stage(first, last, resource)
+    for stage, resource in stages:
         if stage is None:
             return None
         cost += stage.cost_per_hour
@@ -367,11 +377,7 @@ def train_rl_scheduler(
 
 
 def imitate(
-    policy: Any,
-    problems: Sequence[CostModel] | ProblemSource,
-    count: int,
-    epochs: int = 25,
-    seed: int = 0,
+    policy: Any, problems: Sequence[CostModel] | ProblemSource, count: int, epochs: int = 25, seed: int = 0
 ) -> dict[str, Any]:
     """Teach ``policy`` (a stable-baselines3 actor-critic policy) the exact solver's placements of
     ``count`` problems (drawn from ``problems``, or taken in turn from a list) by cross-entropy on
@@ -482,7 +488,9 @@ def solve_rl(
     if search:
         costs = [plan.cost_per_hour for plan in map(model.plan, placements) if plan is not None]
         scale = min(costs) if costs and min(costs) > 0 else reference  # what the search's rewards are over
-        placements += _active_search(model, scheduler.policy, search, samples, search_learning_rate, generator, scale)
+        placements += _active_search(
+            model, scheduler.policy, search, samples, search_learning_rate, generator, reference, scale
+        )
     return cheapest_feasible(model, placements, "rl")
 
 
@@ -493,13 +501,15 @@ def _active_search(
     batch: int,
     learning_rate: float,
     generator: torch.Generator,
+    reference: float,
     scale: float,
 ) -> list[list[int]]:
     """The placements drawn in ``rounds`` rounds of REINFORCE on ``model`` alone, by a copy of ``policy``
-    (``scale``: the cost per hour the rewards are over)."""
+    (``reference``: the observation's :func:`reference_cost`; ``scale``: the cost per hour the rewards
+    are over)."""
     policy = copy.deepcopy(policy)
     optimizer = torch.optim.Adam(policy.parameters(), lr=learning_rate)
-    reference, types = reference_cost(model), len(model.resources)
+    types = len(model.resources)
     found: list[list[int]] = []
     for _ in range(rounds):
         placements, inputs, actions = _rollouts(model, policy, [1.0] * batch, generator, reference)
