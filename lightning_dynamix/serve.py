@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import torch.distributed
 import torch.distributed.rpc as rpc
 
 from lightning_dynamix.offload.server import (
@@ -47,12 +48,20 @@ def run_server(
     """Serve until every trainer has finished; the process's exit status (0 when they did)."""
     server = EmbeddingServer(server_rank, num_servers, num_trainers, staleness)
     done = install(server)
-    rpc.init_rpc(
-        server_name(server_rank),
-        rank=num_trainers + server_rank,
-        world_size=num_trainers + num_servers,
-        rpc_backend_options=rpc_options(address, timeout_s),
-    )
+    try:
+        rpc.init_rpc(
+            server_name(server_rank),
+            rank=num_trainers + server_rank,
+            world_size=num_trainers + num_servers,
+            rpc_backend_options=rpc_options(address, timeout_s),
+        )
+    except torch.distributed.DistError as error:  # the store timed out, or no trainer listened at the address
+        print(
+            f"{server_name(server_rank)}: the job's {num_trainers} trainer(s) and {num_servers} server(s) did not"
+            f" all meet at {address} within --timeout {timeout_s:g} s ({error})",
+            file=sys.stderr,
+        )
+        return 1
     while not done.wait(1.0):
         if parent_pid is not None and os.getppid() != parent_pid:  # re-parented: the starter died
             name = server_name(server_rank)

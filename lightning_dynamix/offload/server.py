@@ -31,13 +31,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed.rpc
+from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 
 from lightning_dynamix._checks import require_int
@@ -295,13 +297,40 @@ def trainer_name(trainer_rank: int) -> str:
     return f"trainer-{trainer_rank}"
 
 
+_RENDEZVOUS_SCHEME = "dynamix-tcp"
+
+
+def _rendezvous(url: str, **kwargs: object) -> Iterator[tuple[torch.distributed.Store, int, int]]:
+    """torch's ``tcp://`` rendezvous, bounded by the job's timeout (``timeout=SECONDS`` in the query).
+
+    ``rpc.init_rpc`` meets the other members with no timeout of its own: torch's handler waits 30
+    minutes for a member that never comes (servers at another port, or never started).
+    """
+    parsed = urllib.parse.urlparse(url)
+    query = dict(urllib.parse.parse_qsl(parsed.query))
+    rank, world_size = int(query["rank"]), int(query["world_size"])
+    timeout = timedelta(seconds=float(query["timeout"]))
+    assert parsed.hostname is not None  # parse_address checked the address
+    assert parsed.port is not None
+    yield (
+        torch.distributed.TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout, multi_tenant=True),
+        rank,
+        world_size,
+    )
+    raise RuntimeError(f"a {_RENDEZVOUS_SCHEME}:// rendezvous meets once")  # as torch's tcp:// does
+
+
+register_rendezvous_handler(_RENDEZVOUS_SCHEME, _rendezvous)
+
+
 def rpc_options(address: str, timeout_s: float) -> torch.distributed.rpc.TensorPipeRpcBackendOptions:
-    """The RPC options every member of a job uses: one rendezvous address, one timeout (seconds)."""
+    """The RPC options every member of a job uses: one rendezvous address, one timeout (seconds), which
+    also bounds the wait for the other members to join."""
     # TCP transport and the basic channel only: TensorPipe's shared-memory transport busy-polls, and
     # on a machine with few cores that polling starves the training (measured on 2 cores: 65 ms per
     # push with 1 server, against 2 ms over TCP)
     return torch.distributed.rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{address}",
+        init_method=f"{_RENDEZVOUS_SCHEME}://{address}?timeout={timeout_s}",
         rpc_timeout=timeout_s,
         num_worker_threads=32,
         devices=[],

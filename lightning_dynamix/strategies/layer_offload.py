@@ -186,6 +186,8 @@ class LayerOffloadStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         targets = self._select(module)
+        if trainer.state.fn == TrainerFn.FITTING and self.prefetch_depth:  # refused before any server starts
+            self._refuse_read_ahead(self._read_ahead_refusals(module, trainer))
         self._failed = False
         self._set_threads()
         self._start_rpc()
@@ -282,12 +284,27 @@ class LayerOffloadStrategy(DDPStrategy):
         if self.launch_servers and self.is_global_zero:
             self._servers = [self._launch(address, s, num_trainers) for s in range(self.num_embedding_servers)]
         _forget_earlier_rpc_groups()
-        rpc.init_rpc(
-            trainer_name(self.global_rank),
-            rank=self.global_rank,
-            world_size=num_trainers + self.num_embedding_servers,
-            rpc_backend_options=rpc_options(address, self._timeout.total_seconds()),
-        )
+        try:
+            rpc.init_rpc(
+                trainer_name(self.global_rank),
+                rank=self.global_rank,
+                world_size=num_trainers + self.num_embedding_servers,
+                rpc_backend_options=rpc_options(address, self._timeout.total_seconds()),
+            )
+        except torch.distributed.DistError as error:  # the store timed out, or the address was not there
+            if self.launch_servers:
+                hint = "a server this strategy started may have failed as it started (its output is above)"
+            else:
+                hint = (
+                    f"start them with `python -m lightning_dynamix.serve --address {address} --server-rank S"
+                    f" --num-servers {self.num_embedding_servers} --num-trainers {num_trainers}`, S from 0 to"
+                    f" {self.num_embedding_servers - 1}, or pass the `server_port` they were given"
+                )
+            raise RuntimeError(
+                f"{trainer_name(self.global_rank)}: the job's {self.num_embedding_servers} embedding server(s) and"
+                f" {num_trainers} trainer(s) did not all meet at {address} within the strategy's timeout of"
+                f" {self._timeout.total_seconds():g} s: {hint} ({error})"
+            ) from error
 
     def _launch(self, address: str, server: int, num_trainers: int) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
@@ -358,14 +375,7 @@ class LayerOffloadStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         if trainer is None or trainer.state.stage != RunningStage.TRAINING or self.prefetch_depth == 0:
             return 0
-        reasons = []
-        if not hasattr(module, "embedding_ids"):
-            reasons.append(f"{type(module).__name__} defines no `embedding_ids(batch)` naming the ids of a batch")
-        if trainer.accumulate_grad_batches != 1:
-            reasons.append(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches} trains several batches per optimizer"
-                " step, and reading ahead asks for a batch's rows by its optimizer step"
-            )
+        reasons = self._read_ahead_refusals(module, trainer)
         # a HeterogeneousDataLoader reads ahead beneath its count of the batches handed out
         parts = (
             ()
@@ -381,12 +391,29 @@ class LayerOffloadStrategy(DDPStrategy):
         if not reasons:
             return 1 if self.prefetch_depth is None else self.prefetch_depth
         if self.prefetch_depth is not None:
+            self._refuse_read_ahead(reasons)
+        return 0
+
+    @staticmethod
+    def _read_ahead_refusals(module: LightningModule, trainer: Any) -> list[str]:
+        """Why the model or the Trainer cannot have batches read ahead (the dataloader aside)."""
+        reasons = []
+        if not hasattr(module, "embedding_ids"):
+            reasons.append(f"{type(module).__name__} defines no `embedding_ids(batch)` naming the ids of a batch")
+        if trainer.accumulate_grad_batches != 1:
+            reasons.append(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} trains several batches per optimizer"
+                " step, and reading ahead asks for a batch's rows by its optimizer step"
+            )
+        return reasons
+
+    def _refuse_read_ahead(self, reasons: list[str]) -> None:
+        if reasons:
             raise MisconfigurationException(
                 f"`prefetch_depth={self.prefetch_depth}` reads training batches ahead, and cannot here: "
                 + "; ".join(reasons)
                 + ". Set prefetch_depth=0 (or leave it unset) to look each step up when it starts."
             )
-        return 0
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

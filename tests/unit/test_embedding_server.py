@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 
 import pytest
@@ -144,6 +145,20 @@ def test_a_launched_server_starts_as_the_serve_command_without_importing_lightni
     assert re.search(r"\|\s+torch$", proc.stderr, flags=re.MULTILINE)  # (the listing is there)
     assert "lightning.pytorch" not in proc.stderr
     assert "lightning_dynamix.offload.server" in proc.stderr
+
+
+def test_a_server_whose_trainers_never_come_gives_up_after_its_timeout_and_says_where_it_waited():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens there
+    command = server_command("--address", f"127.0.0.1:{port}", "--num-trainers", "1", "--server-rank", "0",
+                             "--num-servers", "1", "--timeout", "1")  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=60)  # not torch's 30 minutes
+    assert proc.returncode == 1
+    assert (
+        f"embedding-server-0: the job's 1 trainer(s) and 1 server(s) did not all meet at 127.0.0.1:{port} within"
+        " --timeout 1 s" in proc.stderr
+    )
 
 
 def test_serve_rejects_an_address_without_port(capsys):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import socket
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -131,14 +133,24 @@ def test_models_that_cannot_be_offloaded_are_refused_before_any_server_starts(mo
 
 
 def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default():
-    # no embedding_ids: the strategy cannot know a batch's ids before its forward
-    with pytest.raises(MisconfigurationException, match=r"`prefetch_depth=1` .* Model defines no `embedding_ids"):
-        fit(Model(), prefetch_depth=1)
-    fit(Model())  # unset: each step is looked up when it starts
-
     class WithIds(Model):
         def embedding_ids(self, batch):
             return {"table": batch[0]}
+
+    # what the model or the Trainer rules out is refused before the trainer waits for a server: here none
+    # is started or listening, so a refusal after the strategy began to wait would be a timeout instead
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    no_servers = {"launch_servers": False, "server_port": port, "timeout": timedelta(seconds=5)}
+    # no embedding_ids: the strategy cannot know a batch's ids before its forward
+    with pytest.raises(MisconfigurationException, match=r"`prefetch_depth=1` .* Model defines no `embedding_ids"):
+        fit(Model(), prefetch_depth=1, **no_servers)
+    # several batches per optimizer step: a batch read ahead would be asked for as the next step's (its
+    # answer dropped unused where the step's second batch is read)
+    with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches=2 trains several batches"):
+        fit(WithIds(), prefetch_depth=1, accumulate_grad_batches=2, **no_servers)
+    fit(Model())  # unset: each step is looked up when it starts
 
     class CountingSampler(torch.utils.data.BatchSampler):  # keeps a state of what it handed out
         def state_dict(self):
@@ -150,11 +162,7 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     sampler = CountingSampler(torch.utils.data.SequentialSampler(range(10)), 5, drop_last=False)
     loader = DataLoader(TensorDataset(torch.arange(10)), batch_sampler=sampler)
     with pytest.raises(MisconfigurationException, match=r"CountingSampler keeps a state of the batches it handed"):
-        fit(WithIds(), loader, prefetch_depth=1)
-    # several batches per optimizer step: a batch read ahead would be asked for as the next step's (its
-    # answer dropped unused where the step's second batch is read)
-    with pytest.raises(MisconfigurationException, match=r"accumulate_grad_batches=2 trains several batches"):
-        fit(WithIds(), prefetch_depth=1, accumulate_grad_batches=2)
+        fit(WithIds(), loader, prefetch_depth=1)  # the dataloader is known once the servers run
 
     class Lookups(Callback):
         def on_train_end(self, trainer, pl_module):
@@ -171,6 +179,19 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     strategy = fit(WithIds(), loader, strategy=HeterogeneousLayerOffloadStrategy, max_steps=2, prefetch_depth=1)
     sampler = strategy.train_batch_sampler
     assert (sampler._produced, sampler.state_dict()["step"]) == (3, 2)  # a resumed run trains the third batch read
+
+
+def test_servers_that_never_come_fail_the_fit_after_the_strategy_s_timeout_with_how_to_start_them():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # no server listens there, and none is started
+    message = (
+        rf"trainer-0: the job's 2 embedding server\(s\) and 1 trainer\(s\) did not all meet at \S+:{port} within the"
+        rf" strategy's timeout of 2 s: start them with `python -m lightning_dynamix.serve --address \S+:{port}"
+        r" --server-rank S --num-servers 2 --num-trainers 1`"
+    )
+    with pytest.raises(RuntimeError, match=message):  # not torch's 30 minutes
+        fit(Model(), launch_servers=False, server_port=port, num_embedding_servers=2, timeout=timedelta(seconds=2))
 
 
 def test_heterogeneous_trainer_sizes_are_one_per_trainer_rank_checked_before_any_server_starts():
