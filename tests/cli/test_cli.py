@@ -279,8 +279,12 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
 
 
 def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size(tmp_path):
+    import torch
+
     out = tmp_path / "policy.json"
-    dynamix("bench", "policy", "--world-sizes", "1,4", "--decisions", "5", "--output", str(out), cwd=tmp_path)
+    threads = torch.get_num_threads()
+    dynamix_here("bench", "policy", "--world-sizes", "1,4", "--decisions", "5", "--output", str(out), cwd=tmp_path)
+    assert torch.get_num_threads() == threads  # timed on one thread, then given back
     result = json.loads(out.read_text())
     assert set(result) == {"1", "4"}
     for row in result.values():
