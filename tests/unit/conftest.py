@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch.distributed as dist
 
 
 @pytest.fixture
 def isolated_process_group():
-    """A fit in this process initialises a 1-rank process group and sets launcher variables: undo both."""
-    environ = dict(os.environ)
+    """A fit in this process initialises a 1-rank process group: undo it (the launcher variables it sets
+    are undone for every test, by tests/conftest.py)."""
     yield
     if dist.is_initialized():
         dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(environ)
