@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.distributed.conftest import run_job
+from tests.distributed.conftest import run_job, run_jobs
 
 pytestmark = pytest.mark.distributed
 
@@ -28,11 +28,17 @@ SCENARIOS = {
 NUM_SAMPLES = 150
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The 2-rank and the 3-rank job, run at once; each one's output folder."""
+    outs = {world_size: tmp_path_factory.mktemp(f"exactness-{world_size}") for world_size in (2, 3)}
+    run_jobs(*[("exactness_job.py", (world_size, out), out) for world_size, out in outs.items()])
+    return outs
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
-def job(request, tmp_path_factory):
-    world_size = request.param
-    out = tmp_path_factory.mktemp(f"exactness-{world_size}")
-    run_job("exactness_job.py", world_size, out, cwd=out)
+def job(request, jobs):
+    world_size, out = request.param, jobs[request.param]
     results = {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(world_size)] for name in SCENARIOS}
     return world_size, results
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
-from tests.distributed.conftest import import_job, run_job
+from tests.distributed.conftest import import_job, run_job, run_jobs
 
 pytestmark = pytest.mark.distributed
 
@@ -35,18 +35,13 @@ def job():
 
 
 @pytest.fixture(scope="module")
-def one_trainer(tmp_path_factory):
-    out = tmp_path_factory.mktemp("offload-1-trainer")
-    scenarios = ["sgd-2-0", "adagrad-2-0", "adagrad-2-0-0", "adagrad-2-1", "resume-adagrad-2-3"]
-    run_job("offload_job.py", 1, out, *scenarios, cwd=out)
-    return out
+def fits(tmp_path_factory):
+    """The 1-trainer and the 2-trainer job, run at once; each one's output folder, by trainers.
 
-
-@pytest.fixture(scope="module")
-def two_trainers(tmp_path_factory):
-    """2 trainers; their first fit meets 2 servers started with ``python -m lightning_dynamix.serve`` at
-    ``external.json``'s port, whose exit codes it keeps."""
-    out = tmp_path_factory.mktemp("offload-2-trainers")
+    The 2 trainers' first fit meets 2 servers started with ``python -m lightning_dynamix.serve`` at
+    ``external.json``'s port, whose exit codes it keeps. The balance scenario's emulated slow trainer
+    is 4 times slower than the other, so the job beside it cannot turn the balance round."""
+    one, two = tmp_path_factory.mktemp("offload-1-trainer"), tmp_path_factory.mktemp("offload-2-trainers")
     port = free_port()
     command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]
     servers = [
@@ -56,13 +51,24 @@ def two_trainers(tmp_path_factory):
     try:
         scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
         scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2"]
-        run_job("offload_job.py", 2, out, *scenarios, cwd=out)
+        alone = ["sgd-2-0", "adagrad-2-0", "adagrad-2-0-0", "adagrad-2-1", "resume-adagrad-2-3"]
+        run_jobs(("offload_job.py", (1, one, *alone), one), ("offload_job.py", (2, two, *scenarios), two))
         codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
     finally:
         for server in servers:
             server.kill()
-    (out / "external.json").write_text(json.dumps({"port": port, "exit_codes": codes}))
-    return out
+    (two / "external.json").write_text(json.dumps({"port": port, "exit_codes": codes}))
+    return {1: one, 2: two}
+
+
+@pytest.fixture(scope="module")
+def one_trainer(fits):
+    return fits[1]
+
+
+@pytest.fixture(scope="module")
+def two_trainers(fits):
+    return fits[2]
 
 
 def reference(job, optimizer: str, trainers: int, staleness: int = 0) -> dict[str, torch.Tensor]:

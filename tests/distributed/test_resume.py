@@ -10,17 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import run_job
+from tests.distributed.conftest import run_jobs
 
 pytestmark = pytest.mark.distributed
 
 NUM_SAMPLES = 150
 
 
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    """The jobs without and with DataLoader workers, run at once; each one's output folder."""
+    outs = {workers: tmp_path_factory.mktemp(f"resume-{workers}") for workers in (0, 2)}
+    run_jobs(*[("resume_job.py", (workers, out), out) for workers, out in outs.items()])
+    return outs
+
+
 @pytest.fixture(scope="module", params=[0, 2], ids=["workers-0", "workers-2"])
-def runs(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"resume-{request.param}")
-    run_job("resume_job.py", request.param, out, cwd=out)
+def runs(request, jobs):
+    out = jobs[request.param]
     return {
         name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(2)]
         for name in ("full", "mid1", "mid2", "end1", "end2")
