@@ -10,10 +10,10 @@ a ``dynamix`` command is parsed by the real argument parser, a ``make`` target m
 command that appears on several pages runs once. :data:`CHECKS` asserts what some commands must
 print.
 
-A ``dynamix`` subcommand of :data:`IN_PROCESS` (one that starts no process and leaves no state
-behind) runs its entry point, ``main``, in this process with the command's arguments, in the same
-working directory: what the ``dynamix`` script runs, without the 4 s a new Python takes to import
-torch and Lightning. Every other command runs with bash.
+A ``dynamix`` subcommand of :data:`IN_PROCESS` (one that starts no process) runs its entry point,
+``main``, in this process with the command's arguments, in the same working directory: what the
+``dynamix`` script runs, without the 4 s a new Python takes to import torch and Lightning. Every
+other command runs with bash.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,7 @@ LONG: dict[str, str] = {
     "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_cli.py reports a 1-epoch demo's",
 }
 
-# ``dynamix`` subcommands that start no process and leave no state behind: run in this process
+# ``dynamix`` subcommands that start no process: run in this process
 IN_PROCESS = ("report", "simulate", "calibrate", "train-policy")
 
 
@@ -188,6 +189,8 @@ def run_here(args: list[str], command: str, workdir: Path) -> str:
             main(args)
         except SystemExit as exit_:
             code = exit_.code
+        except Exception as error:  # a crash: reported with the others, as a failed command's output is
+            raise AssertionError(f"`{command}` raised:\n{traceback.format_exc()[-6000:]}") from error
     if code not in (0, None):
         raise AssertionError(f"`{command}` exited with {code!r}:\n{out.getvalue()[-6000:]}")
     return out.getvalue()
