@@ -14,7 +14,7 @@ def _environment_as_it_was():
     A Trainer run in this process sets the launcher's variables (``MASTER_PORT``, ``LOCAL_RANK``, ...)
     and ``OMP_NUM_THREADS``. A job a later test starts would inherit them: with ``OMP_NUM_THREADS=2``
     left behind, Lightning no longer gives each of a job's ranks its share of the cores, and 5 ranks
-    of 2 threads each on 2 cores ran the exactness jobs 1.5 times slower.
+    of 2 threads each on 2 cores ran the exactness jobs 1.7 times slower (23 s against 13.7 s).
     """
     environ = dict(os.environ)
     yield

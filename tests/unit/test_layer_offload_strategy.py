@@ -86,6 +86,13 @@ class Model(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def unused_port() -> int:
+    """A port nothing on this machine listens at."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def fit(
     model: LightningModule,
     loader: DataLoader | None = None,
@@ -139,10 +146,7 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
 
     # what the model or the Trainer rules out is refused before the trainer waits for a server: here none
     # is started or listening, so a refusal after the strategy began to wait would be a timeout instead
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    no_servers = {"launch_servers": False, "server_port": port, "timeout": timedelta(seconds=5)}
+    no_servers = {"launch_servers": False, "server_port": unused_port(), "timeout": timedelta(seconds=5)}
     # no embedding_ids: the strategy cannot know a batch's ids before its forward
     with pytest.raises(MisconfigurationException, match=r"`prefetch_depth=1` .* Model defines no `embedding_ids"):
         fit(Model(), prefetch_depth=1, **no_servers)
@@ -182,9 +186,7 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
 
 
 def test_servers_that_never_come_fail_the_fit_after_the_strategy_s_timeout_with_how_to_start_them():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]  # no server listens there, and none is started
+    port = unused_port()  # no server listens there, and none is started
     message = (
         rf"trainer-0: the job's 2 embedding server\(s\) and 1 trainer\(s\) did not all meet at \S+:{port} within the"
         rf" strategy's timeout of 2 s: start them with `python -m lightning_dynamix.serve --address \S+:{port}"
