@@ -3,7 +3,9 @@
 Runs ``dynamix plan --model dlrm --save-profile`` ``--runs`` times, each a fresh process profiling
 afresh, as a user running the command again would; then plans every saved profile at each target of
 ``--throughput`` (one catalogue) and counts the distinct placements (resource, units and layers of
-every stage) per target. The profiles' spreads and whole-pass times are reported beside them.
+every stage) per target, with every run's margin there (``placement_margin``: how far its profile's
+times could be off before its placement changes). The profiles' spreads and whole-pass times are
+reported beside them.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.bench.core import _config, _machine
-from lightning_dynamix.placement import CostModel, InfeasibleError, ModelProfile, load_catalogue, solve_dp
+from lightning_dynamix.placement import (
+    CostModel,
+    InfeasibleError,
+    ModelProfile,
+    load_catalogue,
+    placement_margin,
+    solve_dp,
+)
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "examples" / "placement" / "catalogue.yaml"
 SAMPLES = 65536  # the example data's samples per epoch (the cost per hour, which ranks placements, ignores it)
@@ -57,13 +66,21 @@ def _profile(path: Path, resources: Path, no_runner: bool) -> ModelProfile:
     return ModelProfile.load(path)
 
 
-def _placement(profile: ModelProfile, resources: Any, target: float, samples: int) -> tuple[float, str]:
+def _placement(
+    profile: ModelProfile, resources: Any, target: float, samples: int
+) -> tuple[tuple[float, str], tuple[float | None, float | None]]:
+    """The placement (cost per hour, stages) and its margin (slower, faster; see placement_margin)."""
+    cost = CostModel(profile, resources, target, training_samples=samples)
     try:
-        plan = solve_dp(CostModel(profile, resources, target, training_samples=samples))
+        plan = solve_dp(cost)
     except InfeasibleError:
-        return math.inf, "infeasible"
-    stages = ", ".join(f"{s.resource} x{s.units} layers {s.first}-{s.last}" for s in plan.stages)
-    return plan.cost_per_hour, stages
+        return (math.inf, "infeasible"), (None, None)
+    margin = placement_margin(cost)
+    return (plan.cost_per_hour, plan.describe_stages()), (margin.slower, margin.faster)
+
+
+def _percent(margin: float | None) -> str:
+    return "-" if margin is None else f"{100 * margin:.1f}%"
 
 
 def run(args: argparse.Namespace) -> None:
@@ -82,12 +99,14 @@ def run(args: argparse.Namespace) -> None:
             print(f"run {run_index}: whole pass {1e3 * step:.2f} ms, spread {spread:.1f}%{fixed}")
     per_target = {}
     for target in targets:
-        chosen = Counter(_placement(profile, resources, target, SAMPLES) for profile in profiles)
+        placements, margins = zip(*(_placement(profile, resources, target, SAMPLES) for profile in profiles))
+        chosen = Counter(placements)
         per_target[f"{target:g}"] = {
             "distinct_placements": len(chosen),
             "placements": [
                 {"runs": n, "cost_per_hour": cost, "stages": stages} for (cost, stages), n in chosen.items()
             ],
+            "margins": [{"slower": slower, "faster": faster} for slower, faster in margins],
         }
     result = {
         "benchmark": "replan",
@@ -105,7 +124,9 @@ def run(args: argparse.Namespace) -> None:
     }
     print(f"\ndynamix bench replan: DLRM, {args.runs} runs of `dynamix plan`, each profiling afresh")
     for target, row in per_target.items():
-        print(f"target {target} samples/s: {row['distinct_placements']} distinct placement(s)")
+        margins = ", ".join(f"{_percent(m['slower'])}/{_percent(m['faster'])}" for m in row["margins"])
+        print(f"target {target} samples/s: {row['distinct_placements']} distinct placement(s);"
+              f" margins per run, slower/faster: {margins}")  # fmt: skip
         for placement in row["placements"]:
             print(f"  {placement['runs']} run(s): {placement['cost_per_hour']:.2f}/hour, {placement['stages']}")
     if args.output is not None:

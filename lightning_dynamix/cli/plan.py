@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from lightning_dynamix.placement import (
     ModelProfile,
     PlacementPlan,
     load_catalogue,
+    placement_margin,
     profile_model,
     profile_runner,
     solve_dp,
@@ -136,6 +138,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"profile written to {args.save_profile}")
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")
     _print_plan(plan, profile)
+    if args.solver == "dp":
+        print(_margin_line(cost, profile))
     print()
     print(f"{'placement':>10}  {'cost/hour':>10}  {'cost/epoch':>11}  throughput")
     for name, plan_or_error in _alternatives(cost, plan, args.epochs):
@@ -193,6 +197,31 @@ def _runner_line(profile: ModelProfile) -> str:
     if runner is None:
         return "  runner: not included (the layers alone are priced)"
     return f"  runner, per step: {runner.summary()}"
+
+
+def _margin_line(cost: CostModel, profile: ModelProfile) -> str:
+    """How far the profile may be off before the plan changes, and whether that is within its own spread."""
+    margin = placement_margin(cost)
+
+    def side(moved: float | None, other: PlacementPlan | None, way: str) -> str:
+        if moved is None:
+            return f"{way} beyond {100 * margin.limit:.0f}%"
+        if other is None:
+            return f"{100 * moved:.1f}% {way} (then none is feasible)"
+        return f"{100 * moved:.1f}% {way} (then {other.describe_stages()})"
+
+    line = (
+        "\nmargin: the same placement for a profile up to"
+        f" {side(margin.slower, margin.slower_plan, 'slower')} and {side(margin.faster, margin.faster_plan, 'faster')}"
+    )
+    spread = max([*profile.step_spread.values(), *(profile.spread(device) for device in profile.devices)], default=0)
+    nearest = min(m for m in (margin.slower, margin.faster, math.inf) if m is not None)
+    if nearest < spread:
+        line += (
+            f"\n  that is within this profile's own spread ({100 * spread:.1f}%): profiled again, the plan may"
+            " differ; --save-profile and --profile plan from one profile"
+        )
+    return line
 
 
 def _print_plan(plan: PlacementPlan, profile: Any) -> None:

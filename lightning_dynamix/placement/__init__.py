@@ -3,7 +3,8 @@
 :func:`profile_model` measures a model's layers; a catalogue of :class:`ResourceType` says what can be
 rented, at what price; a :class:`CostModel` prices placements of the layers on them for a throughput
 target, and the solvers find the cheapest (:func:`solve_dp` exactly, :func:`solve_brute_force` for small
-chains, :func:`solve_greedy` as the baseline), as a :class:`PlacementPlan`.
+chains, :func:`solve_greedy` as the baseline), as a :class:`PlacementPlan`; :func:`placement_margin` says how far
+the profile's times may be off before the cheapest placement changes.
 """
 
 from lightning_dynamix.placement.catalogue import ResourceType, load_catalogue
@@ -16,12 +17,20 @@ from lightning_dynamix.placement.profile import (
     profile_model,
 )
 from lightning_dynamix.placement.runner import profile_runner
-from lightning_dynamix.placement.solvers import best_throughput, solve_brute_force, solve_dp, solve_greedy
+from lightning_dynamix.placement.solvers import (
+    Margin,
+    best_throughput,
+    placement_margin,
+    solve_brute_force,
+    solve_dp,
+    solve_greedy,
+)
 
 __all__ = [
     "CostModel",
     "InfeasibleError",
     "LayerProfile",
+    "Margin",
     "ModelProfile",
     "PlacementPlan",
     "ResourceType",
@@ -30,6 +39,7 @@ __all__ = [
     "available_devices",
     "best_throughput",
     "load_catalogue",
+    "placement_margin",
     "profile_model",
     "profile_runner",
     "solve_brute_force",

@@ -135,6 +135,10 @@ class PlacementPlan:
         seconds = sum(1 / stage.throughput for stage in self.stages)
         return 1 / seconds if seconds > 0 else math.inf
 
+    def describe_stages(self) -> str:
+        """The stages in one line: ``RESOURCE xUNITS layers FIRST-LAST``, comma-separated."""
+        return ", ".join(f"{s.resource} x{s.units} layers {s.first}-{s.last}" for s in self.stages)
+
     def offloaded_layers(self) -> list[str]:
         """The sparse layers (embedding tables) the plan puts on CPU resource types: the embedding servers'."""
         return [

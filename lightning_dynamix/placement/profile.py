@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dynamix._checks import require_int
+from lightning_dynamix._checks import require_int, require_number
 
 SPARSE_TYPES = (nn.Embedding, nn.EmbeddingBag)
 MIN_SAMPLE_SECONDS = 2e-3  # a timed sample runs a layer this long at least
@@ -107,6 +107,19 @@ class RunnerProfile:
             f" ms (its tables {1e3 * self.server_table_seconds:.2f} ms); {sum(self.rows.values()):.0f} rows looked up"
             f" per batch at {1e6 * self.trainer_row_seconds:.2f} us each on the trainer"
             f" and {1e6 * self.server_row_seconds:.2f} us on a server"
+        )
+
+    def scaled(self, factor: float) -> RunnerProfile:
+        """These terms on a machine ``factor`` times as slow: every time multiplied by it, the rows as they are."""
+        return dataclasses.replace(
+            self,
+            step_seconds=self.step_seconds * factor,
+            loader_seconds=self.loader_seconds * factor,
+            optimizer_seconds=self.optimizer_seconds * factor,
+            trainer_row_seconds=self.trainer_row_seconds * factor,
+            server_row_seconds=self.server_row_seconds * factor,
+            request_seconds=self.request_seconds * factor,
+            server_table_seconds=self.server_table_seconds * factor,
         )
 
     @property
@@ -207,6 +220,25 @@ class ModelProfile:
                 f"the runner's terms were measured at batch size {runner.batch_size}, the layers at {self.batch_size}"
             )
         return dataclasses.replace(self, runner=runner)
+
+    def scaled(self, factor: float) -> ModelProfile:
+        """This profile as a machine ``factor`` times as slow would measure it: every time multiplied by
+        ``factor`` (the layers', the whole passes', the runner's terms); bytes, calls, spreads and rows as they are.
+
+        Raises:
+            ValueError: for a factor that is not a positive number.
+        """
+        factor = require_number("factor", factor, 0.0, low_open=True)
+        layers = tuple(
+            dataclasses.replace(layer, seconds={device: s * factor for device, s in layer.seconds.items()})
+            for layer in self.layers
+        )
+        return dataclasses.replace(
+            self,
+            layers=layers,
+            step_seconds={device: s * factor for device, s in self.step_seconds.items()},
+            runner=None if self.runner is None else self.runner.scaled(factor),
+        )
 
     def save(self, path: str | Path) -> None:
         """Write the profile as JSON."""

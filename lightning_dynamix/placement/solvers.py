@@ -26,8 +26,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
+from lightning_dynamix._checks import require_number
 from lightning_dynamix.placement.cost import CostModel, InfeasibleError, PlacementPlan, Stage
+
+MARGIN_LIMIT = 0.25  # how far placement_margin looks, either way
+_MARGIN_STEP = 0.005  # its scan's step; the step where the placement changed is then bisected 6 times
 
 
 def solve_dp(model: CostModel) -> PlacementPlan:
@@ -38,6 +43,79 @@ def solve_dp(model: CostModel) -> PlacementPlan:
     if plan is None:
         raise _infeasible(model)
     return plan
+
+
+@dataclass(frozen=True)
+class Margin:
+    """How far a profile's times may move before :func:`solve_dp` places the layers otherwise.
+
+    Attributes:
+        slower: the fraction by which every time of the profile may grow before the cheapest placement
+            changes (0.04: a profile 4% slower gets another); None where it holds up to ``limit``.
+        faster: the same, every time shrinking.
+        slower_plan, faster_plan: the placement just beyond each edge; None where there is no edge within
+            ``limit``, or where no placement is feasible beyond it.
+        limit: how far either way was looked.
+    """
+
+    slower: float | None
+    faster: float | None
+    slower_plan: PlacementPlan | None
+    faster_plan: PlacementPlan | None
+    limit: float
+
+
+def placement_margin(model: CostModel, limit: float = MARGIN_LIMIT) -> Margin:
+    """How far every time of ``model``'s profile may move, slower or faster, before :func:`solve_dp`
+    chooses another placement (another type, unit count or stage end, or none feasible).
+
+    A profile measured again reads somewhat other times. Where a margin is smaller than that difference,
+    the same command can plan otherwise: the target lies at an edge, such as where one unit more is
+    needed. The profile's times are scaled in steps of 0.5% up to ``limit`` either way and the step where
+    the placement changed is bisected, so an edge is found to about 0.01%; a change that is undone
+    within one step can be missed. Each step solves the problem once (7 ms for the DLRM example).
+
+    Raises:
+        InfeasibleError: where no placement meets the target with the profile as it is.
+        ValueError: for a ``limit`` outside (0, 1).
+    """
+    limit = require_number("limit", limit, 0.0, 1.0, low_open=True)
+    base, _ = _scaled_placement(model, 1.0)
+    if base is None:
+        raise _infeasible(model)
+    slower, slower_plan = _edge(model, base, 1.0, limit)
+    faster, faster_plan = _edge(model, base, -1.0, limit)
+    return Margin(slower, faster, slower_plan, faster_plan, limit)
+
+
+def _edge(model: CostModel, base: tuple, sign: float, limit: float) -> tuple[float | None, PlacementPlan | None]:
+    held = 0.0
+    for step in range(1, math.ceil(limit / _MARGIN_STEP - 1e-9) + 1):
+        moved = min(step * _MARGIN_STEP, limit)
+        key, plan = _scaled_placement(model, 1.0 + sign * moved)
+        if key == base:
+            held = moved
+            continue
+        for _ in range(6):
+            middle = (held + moved) / 2
+            key, middle_plan = _scaled_placement(model, 1.0 + sign * middle)
+            if key == base:
+                held = middle
+            else:
+                moved, plan = middle, middle_plan
+        return moved, plan
+    return None, None
+
+
+def _scaled_placement(model: CostModel, factor: float) -> tuple[tuple | None, PlacementPlan | None]:
+    scaled = CostModel(
+        model.profile.scaled(factor), model.resources, model.target, model.training_samples, model.parameter_copies
+    )
+    try:
+        plan = solve_dp(scaled)
+    except InfeasibleError:
+        return None, None
+    return tuple((stage.resource, stage.units, stage.first, stage.last) for stage in plan.stages), plan
 
 
 def solve_brute_force(model: CostModel, max_assignments: int = 2_000_000) -> PlacementPlan:

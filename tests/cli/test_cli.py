@@ -410,6 +410,7 @@ def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_
     output = dynamix_here(*PLAN_ARGS, "--throughput", "2000000", "--output", str(tmp_path / "plan.json"), cwd=tmp_path)
     assert "embeddings.1" in output
     assert "runner: not included" in output
+    assert "margin: the same placement for a profile up to" in output  # how far the profile may be off
     per_hour = {
         line.split()[0]: float(line.split()[1])
         for line in output.splitlines()
@@ -476,6 +477,8 @@ def test_bench_replan_counts_the_placements_fresh_profiles_choose(tmp_path):
         row = result["targets"][target]
         assert sum(placement["runs"] for placement in row["placements"]) == 2
         assert row["distinct_placements"] == len(row["placements"])
+        assert len(row["margins"]) == 2  # per run, how far its profile may be off before its placement changes
+        assert all(m is None or 0 < m <= 0.25 for margin in row["margins"] for m in margin.values())
     assert "--throughput must be positive" in dynamix_here(
         "bench", "replan", "--throughput", "-5", cwd=tmp_path, fails=True
     )

@@ -16,6 +16,7 @@ from lightning_dynamix.placement import (
     PlacementPlan,
     ResourceType,
     RunnerProfile,
+    placement_margin,
     solve_brute_force,
     solve_dp,
     solve_greedy,
@@ -134,6 +135,40 @@ def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in
     assert PlacementPlan.load(tmp_path / "plan.json").runner["step_seconds"] == 0.004
     with pytest.raises(ValueError, match="measured at batch size 10, the layers at 1"):
         ModelProfile((table, dense), 1, {}).with_runner(runner)
+
+
+def test_the_margin_says_how_far_a_profile_may_be_off_before_the_cheapest_placement_changes():
+    # a step of 10 samples pays 5 ms of runner (loop, batch, optimiser) and 5 ms of the dense layer: a unit
+    # makes 1,000 samples/s. 2,900 samples/s need 3 units; a profile 3.45% slower needs a fourth (3,000 / 2,900),
+    # and 2 units would do only on one 31% faster, beyond the 25% looked at
+    runner = RunnerProfile(10, 0.004, 0.0005, 0.0005)
+    profile = ModelProfile((LayerProfile("dense", "dense", {"cpu": 0.0005}, 1000, 0),), 10, {"cpu": 0.0005}, {}, runner)
+    unit = ResourceType("unit", "cpu", 1.0, 8, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
+    margin = placement_margin(CostModel(profile, [unit], 2900.0))
+    assert solve_dp(CostModel(profile, [unit], 2900.0)).stages[0].units == 3
+    assert margin.slower == pytest.approx(3000 / 2900 - 1, abs=1e-4)  # the runner's terms scale with the layers
+    assert margin.slower_plan is not None
+    assert margin.slower_plan.stages[0].units == 4
+    assert (margin.faster, margin.faster_plan, margin.limit) == (None, None, 0.25)
+    margin = placement_margin(CostModel(profile, [unit], 2100.0))  # 3 units, and 2 on a profile 4.8% faster
+    assert margin.faster == pytest.approx(1 - 2000 / 2100, abs=1e-4)
+    assert margin.faster_plan is not None
+    assert margin.faster_plan.stages[0].units == 2
+    assert margin.slower is None  # 3 units hold up to 43% slower
+    margin = placement_margin(CostModel(profile, [unit], 7900.0))  # 8 units, all there are: slower, none is feasible
+    assert margin.slower == pytest.approx(8000 / 7900 - 1, abs=1e-4)
+    assert margin.slower_plan is None
+    with pytest.raises(InfeasibleError):
+        placement_margin(CostModel(profile, [unit], 9000.0))
+    with pytest.raises(ValueError, match="`limit` must be"):
+        placement_margin(CostModel(profile, [unit], 2900.0), limit=0)
+    slower = profile.scaled(2.0)  # as a machine twice as slow would measure it: the times, not the bytes
+    assert (slower.layers[0].seconds, slower.step_seconds) == ({"cpu": 0.001}, {"cpu": 0.001})
+    assert slower.runner is not None
+    assert slower.runner.fixed_seconds == pytest.approx(2 * runner.fixed_seconds)
+    assert (slower.layers[0].parameter_bytes, slower.batch_size) == (1000, 10)
+    with pytest.raises(ValueError, match="`factor` must be"):
+        profile.scaled(0.0)
 
 
 def test_of_placements_that_cost_the_same_the_fastest_is_chosen_whatever_the_solver():
