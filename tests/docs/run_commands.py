@@ -259,6 +259,8 @@ CHECKS: dict[str, Callable[[str], None]] = {
         "epoch 1: validation accuracy",
         absent=("epoch 0:",),  # it continued after the saved epoch
     ),
+    "torchrun --standalone --nproc_per_node 2 examples/ctr/dlrm.py fit --config examples/ctr/dlrm_offload.yaml"
+    " --data.num_samples 8192": _contains("MEMBER: 2/2", "`max_epochs=1` reached"),
     "dynamix report dynamix_runs/accelerate": _accelerate_report,
     "dynamix report dynamix_runs/callback": _contains("2 ranks", "dynamix_report.png"),
     "dynamix report dynamix_runs/cli": _contains("2 ranks", "dynamix_report.png"),
