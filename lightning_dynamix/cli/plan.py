@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> None:
     print(f"target {args.throughput:g} samples/s, {samples} samples per epoch x {args.epochs} epochs, {args.solver}")
     _print_plan(plan, profile)
     if args.solver == "dp":
-        print(_margin_line(cost, profile))
+        print(_margin_line(cost, profile, saved=args.profile is not None))
     print()
     print(f"{'placement':>10}  {'cost/hour':>10}  {'cost/epoch':>11}  throughput")
     for name, plan_or_error in _alternatives(cost, plan, args.epochs):
@@ -199,8 +199,9 @@ def _runner_line(profile: ModelProfile) -> str:
     return f"  runner, per step: {runner.summary()}"
 
 
-def _margin_line(cost: CostModel, profile: ModelProfile) -> str:
-    """How far the profile may be off before the plan changes, and whether that is within its own spread."""
+def _margin_line(cost: CostModel, profile: ModelProfile, saved: bool) -> str:
+    """How far the profile may be off before the plan changes, and whether that is within its own spread
+    (with how to keep one profile, unless it was read from one: ``saved``)."""
     margin = placement_margin(cost)
 
     def side(moved: float | None, other: PlacementPlan | None, way: str) -> str:
@@ -217,10 +218,8 @@ def _margin_line(cost: CostModel, profile: ModelProfile) -> str:
     spread = max([*profile.step_spread.values(), *(profile.spread(device) for device in profile.devices)], default=0)
     nearest = min(m for m in (margin.slower, margin.faster, math.inf) if m is not None)
     if nearest < spread:
-        line += (
-            f"\n  that is within this profile's own spread ({100 * spread:.1f}%): profiled again, the plan may"
-            " differ; --save-profile and --profile plan from one profile"
-        )
+        line += f"\n  that is within this profile's own spread ({100 * spread:.1f}%): profiled again, it may differ"
+        line += "" if saved else "; --save-profile and --profile plan from one profile"
     return line
 
 

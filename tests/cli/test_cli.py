@@ -424,6 +424,22 @@ def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_
     assert plan.throughput >= 2_000_000
 
 
+def test_the_plan_s_margin_warns_where_an_edge_lies_within_the_profile_s_spread():
+    from lightning_dynamix.cli.plan import _margin_line
+    from lightning_dynamix.placement import CostModel, LayerProfile, ModelProfile, ResourceType
+
+    # a unit makes 1,000 samples/s: 2,920 need 3 units, and a profile 2.7% slower a fourth
+    layer = LayerProfile("dense", "dense", {"cpu": 1e-3}, 1000, 0, spread={"cpu": 0.05})
+    unit = ResourceType("unit", "cpu", 1.0, 8, 2**30, 1e9, {"dense": 1.0, "sparse": 1.0})
+    profile = ModelProfile((layer,), 10, {"cpu": 1e-3}, {"cpu": 0.02})
+    line = _margin_line(CostModel(profile, [unit], 2920.0), profile, saved=False)
+    assert "up to 2.7% slower (then unit x4 layers 0-0) and faster beyond 25%" in line
+    assert "within this profile's own spread (5.0%): profiled again, it may differ; --save-profile" in line
+    assert "--save-profile" not in _margin_line(CostModel(profile, [unit], 2920.0), profile, saved=True)
+    # 2,500 need 3 units up to 20% slower, 2 from 20% faster: both edges beyond the spread, no warning
+    assert "spread" not in _margin_line(CostModel(profile, [unit], 2500.0), profile, saved=False)
+
+
 def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_refused(tmp_path):
     from lightning_dynamix.placement import ModelProfile, PlacementPlan
 
