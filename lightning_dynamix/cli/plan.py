@@ -206,15 +206,13 @@ def _margin_line(cost: CostModel, profile: ModelProfile, saved: bool) -> str:
 
     def side(moved: float | None, other: PlacementPlan | None, way: str) -> str:
         if moved is None:
-            return f"{way} beyond {100 * margin.limit:.0f}%"
+            return f"a profile up to {100 * margin.limit:.0f}% {way} gets the same placement"
         if other is None:
-            return f"{100 * moved:.1f}% {way} (then none is feasible)"
-        return f"{100 * moved:.1f}% {way} (then {other.describe_stages()})"
+            return f"a profile {100 * moved:.1f}% {way} gets none (no placement is feasible)"
+        return f"a profile {100 * moved:.1f}% {way} gets another placement ({other.describe_stages()})"
 
-    line = (
-        "\nmargin: the same placement for a profile up to"
-        f" {side(margin.slower, margin.slower_plan, 'slower')} and {side(margin.faster, margin.faster_plan, 'faster')}"
-    )
+    slower = side(margin.slower, margin.slower_plan, "slower")
+    line = f"\nmargin: {slower}; {side(margin.faster, margin.faster_plan, 'faster')}"
     spread = max([*profile.step_spread.values(), *(profile.spread(device) for device in profile.devices)], default=0)
     nearest = min(m for m in (margin.slower, margin.faster, math.inf) if m is not None)
     if nearest < spread:

@@ -410,7 +410,7 @@ def test_plan_prints_the_placement_beside_all_cpu_and_all_gpu_and_writes_a_plan_
     output = dynamix_here(*PLAN_ARGS, "--throughput", "2000000", "--output", str(tmp_path / "plan.json"), cwd=tmp_path)
     assert "embeddings.1" in output
     assert "runner: not included" in output
-    assert "margin: the same placement for a profile up to" in output  # how far the profile may be off
+    assert "margin: a profile up to 25% slower gets the same placement" in output  # how far it may be off
     per_hour = {
         line.split()[0]: float(line.split()[1])
         for line in output.splitlines()
@@ -433,7 +433,7 @@ def test_the_plan_s_margin_warns_where_an_edge_lies_within_the_profile_s_spread(
     unit = ResourceType("unit", "cpu", 1.0, 8, 2**30, 1e9, {"dense": 1.0, "sparse": 1.0})
     profile = ModelProfile((layer,), 10, {"cpu": 1e-3}, {"cpu": 0.02})
     line = _margin_line(CostModel(profile, [unit], 2920.0), profile, saved=False)
-    assert "up to 2.7% slower (then unit x4 layers 0-0) and faster beyond 25%" in line
+    assert "2.7% slower gets another placement (unit x4 layers 0-0); a profile up to 25% faster gets the" in line
     assert "within this profile's own spread (5.0%): profiled again, it may differ; --save-profile" in line
     assert "--save-profile" not in _margin_line(CostModel(profile, [unit], 2920.0), profile, saved=True)
     # 2,500 need 3 units up to 20% slower, 2 from 20% faster: both edges beyond the spread, no warning
