@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> None:
     _print_plan(plan, profile)
     if args.solver == "dp":
         print(_margin_line(cost, profile, saved=args.profile is not None))
+    if plan.sequential_throughput < args.throughput:
+        print(_one_after_another_line(plan))
     print()
     print(f"{'placement':>10}  {'cost/hour':>10}  {'cost/epoch':>11}  throughput")
     for name, plan_or_error in _alternatives(cost, plan, args.epochs):
@@ -219,6 +221,16 @@ def _margin_line(cost: CostModel, profile: ModelProfile, saved: bool) -> str:
         line += f"\n  that is within this profile's own spread ({100 * spread:.1f}%): profiled again, it may differ"
         line += "" if saved else "; --save-profile and --profile plan from one profile"
     return line
+
+
+def _one_after_another_line(plan: PlacementPlan) -> str:
+    """For a plan that meets its target only with its stages overlapped: LayerOffloadStrategy's default does not."""
+    return (
+        f"\nnote: the target is met with the {len(plan.stages)} stages overlapped ({plan.throughput:.4g} samples/s)."
+        f" LayerOffloadStrategy at staleness=0, its default, runs them one after another:"
+        f" {plan.sequential_throughput:.4g} samples/s. staleness=1 overlaps a lookup with the step before;"
+        " that forecast is an upper bound"
+    )
 
 
 def _print_plan(plan: PlacementPlan, profile: Any) -> None:

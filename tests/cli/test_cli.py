@@ -440,6 +440,23 @@ def test_the_plan_s_margin_warns_where_an_edge_lies_within_the_profile_s_spread(
     assert "spread" not in _margin_line(CostModel(profile, [unit], 2500.0), profile, saved=False)
 
 
+def test_plan_says_where_the_default_strategy_runs_the_stages_below_the_target():
+    from lightning_dynamix.cli.plan import _one_after_another_line
+    from lightning_dynamix.placement import CostModel, LayerProfile, ModelProfile, ResourceType
+
+    # a table on a server type, the dense layer on a trainer type: each stage makes 1,000 samples/s, so
+    # the pipeline meets 1,000 and the stages one after another 500
+    table = LayerProfile("table", "sparse", {"cpu": 1e-3}, 2**20, 0)
+    dense = LayerProfile("dense", "dense", {"cpu": 1e-3}, 1000, 0)
+    server = ResourceType("server", "cpu", 1.0, 1, 2**30, 1e9, {"dense": 1.0, "sparse": 1.0})
+    trainer = ResourceType("trainer", "cpu", 1.0, 1, 2**30, 1e9, {"dense": 1.0, "sparse": 1.0})
+    plan = CostModel(ModelProfile((table, dense), 1, {}), [server, trainer], 1000.0).plan([0, 1])
+    assert (plan.throughput, plan.sequential_throughput) == pytest.approx((1000, 500))
+    line = _one_after_another_line(plan)
+    assert "met with the 2 stages overlapped (1000 samples/s)" in line
+    assert "staleness=0, its default, runs them one after another: 500 samples/s" in line
+
+
 def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_refused(tmp_path):
     from lightning_dynamix.placement import ModelProfile, PlacementPlan
 
