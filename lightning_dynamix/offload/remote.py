@@ -259,6 +259,12 @@ class EmbeddingClient:
             self._recorded.append(_Lookup(table, plan, rows))
         return rows, plan
 
+    def rows_finite(self) -> bool:
+        """Whether every row gradient of this step so far is finite (none yet counts as finite)."""
+        leaves = [lookup.rows for lookup in self._recorded]
+        leaves += [leaf for entry in self._trained for leaf in entry.leaves.values()]
+        return all(leaf.grad is None or bool(torch.isfinite(leaf.grad).all()) for leaf in leaves)
+
     def _tell_waited(self, started: float) -> None:
         if self.waited is not None:
             self.waited(started, time.perf_counter())

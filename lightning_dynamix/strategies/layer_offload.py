@@ -336,6 +336,8 @@ class LayerOffloadStrategy(DDPStrategy):
         # its unscale_ and its check for inf or NaN reach the optimizer's parameters only
         scaler = getattr(self.precision_plugin, "scaler", None)
         scale = None if scaler is None else scaler.get_scale()  # this step's backward passes used it
+        if scaler is not None:
+            closure = self._rows_checked(closure, optimizer)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         assert self._client is not None
         weight = self._row_gradient_weight()
@@ -359,6 +361,28 @@ class LayerOffloadStrategy(DDPStrategy):
         """What the servers multiply this trainer's row gradients by: ``1 / trainers``, the mean DDP takes of
         the dense gradients."""
         return 1.0 / self.world_size
+
+    def _rows_checked(self, closure: Callable[[], Any], optimizer: Optimizer) -> Callable[[], Any]:
+        """``closure``, then the GradScaler's check extended to the rows' gradients.
+
+        With the tables in the model, an inf or NaN in a table's gradient makes the scaler skip the step
+        and back off, on every rank (DDP all-reduced the gradient). The rows' gradients are not the
+        optimizer's, so after the backward pass the trainers agree whether any has one, and if so mark
+        the step as the scaler sees it: an inf in a dense gradient of a step it then skips. The rows
+        are dropped with it (see :meth:`optimizer_step`).
+        """
+
+        def checked() -> Any:
+            result = closure()
+            assert self._client is not None
+            finite = torch.tensor(float(self._client.rows_finite()), device=self.root_device)
+            if self.world_size > 1:
+                torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
+            if not finite.item():
+                _mark_overflow(optimizer)
+            return result
+
+        return checked
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -643,6 +667,16 @@ class _ReadAhead:
 
 
 _RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
+
+
+def _mark_overflow(optimizer: Optimizer) -> None:
+    """Put an inf in one gradient of ``optimizer``'s parameters: its GradScaler skips the step and backs off."""
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            grad = parameter.grad
+            if grad is not None and not parameter.is_meta and not grad.is_sparse and grad.numel():
+                grad[(0,) * grad.dim()] = float("inf")  # any layout; a 0-d gradient is indexed by ()
+                return
 
 
 def _plan(offload: object) -> PlacementPlan | None:

@@ -50,7 +50,7 @@ def fits(tmp_path_factory):
     ]
     try:
         scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
-        scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2"]
+        scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2", "overflow-sgd-1"]
         alone = ["sgd-2-0", "adagrad-2-0", "adagrad-2-0-0", "adagrad-2-1", "resume-adagrad-2-3"]
         run_jobs(("offload_job.py", (1, one, *alone), one), ("offload_job.py", (2, two, *scenarios), two))
         codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
@@ -193,6 +193,16 @@ def test_servers_started_with_the_serve_command_train_the_same(two_trainers, job
     external = json.loads((two_trainers / "external.json").read_text())
     assert external["exit_codes"] == [0, 0]  # they stopped with the fit
     assert_same(torch.load(two_trainers / f"external-sgd-2-{external['port']}.pt"), reference(job, "sgd", 2))
+
+
+def test_an_overflow_in_one_trainer_s_rows_alone_skips_the_step_on_every_trainer(two_trainers):
+    # fp16 with a GradScaler: at step 3 trainer 0's rows' gradients are inf, every dense gradient finite
+    ranks = [torch.load(two_trainers / f"overflow-sgd-1-rank{rank}.pt") for rank in range(2)]
+    assert [rank["scale"] for rank in ranks] == [1024.0 / 2] * 2  # both skipped it and backed off, once
+    for name, tensor in ranks[0]["dense"].items():
+        torch.testing.assert_close(ranks[1]["dense"][name], tensor, rtol=0, atol=0)  # still one model
+    trained = torch.load(two_trainers / "overflow-sgd-1.pt")
+    assert all(bool(torch.isfinite(tensor).all()) for tensor in trained.values())  # no inf reached a table
 
 
 def free_port() -> int:

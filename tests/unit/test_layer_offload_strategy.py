@@ -267,3 +267,28 @@ def test_fp16_mixed_precision_with_a_grad_scaler_trains_the_tables_as_plain_ligh
     assert (expected["table.weight"] - Half().table.weight.detach()).abs().max() > 1e-3  # the table trained
     for name, tensor in expected.items():
         torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)
+
+
+def test_an_overflow_in_the_rows_gradients_alone_skips_the_step_as_plain_lightning_does():
+    # at step 3 the loss's term on the embeddings overflows their gradient (and so, in one process, the
+    # table's), while the dense layer's gradient stays finite: the scaler must still skip the step
+    class Overflow(Model):
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            embedded = self.table(ids)
+            loss = self.head(embedded).float().pow(2).mean()
+            return loss + embedded.sum() * 1e38 if self.global_step == 3 else loss
+
+    def train(strategy: type[LayerOffloadStrategy] | str) -> tuple[dict[str, torch.Tensor], float]:
+        torch.manual_seed(0)
+        model, scaler = Overflow(), torch.amp.GradScaler("cpu", init_scale=1024.0)
+        fit(model, strategy=strategy, max_steps=6, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}, scaler.get_scale()
+
+    expected, scale = train("auto")
+    assert scale == 512.0  # plain Lightning skipped that one step and backed off
+    result, offloaded_scale = train(LayerOffloadStrategy)
+    assert offloaded_scale == scale
+    assert torch.isfinite(result["table.weight"]).all()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)

@@ -14,6 +14,10 @@ With HeterogeneousLayerOffloadStrategy (a batch size per trainer, the global bat
 the same batches as above): ``sizes-OPTIMIZER-SERVERS`` resizes the trainers at set steps, a trainer sitting
 steps out among them (``SIZES``); ``balance-OPTIMIZER-SERVERS``: DynamixCallback's PID controller balances
 trainer 1 made 4 times slower by the emulator. Both write every rank's lookups and the sizes it trained.
+
+``overflow-OPTIMIZER-SERVERS``: fp16 mixed precision with a GradScaler; at step 3 the rows' gradients of trainer 0
+alone are made inf (the dense ones stay finite). Every rank writes its scale and its dense parameters to
+``OUT/<scenario>-rank<R>.pt``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import importlib.util
 import json
 import signal
 import sys
+from math import inf
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
@@ -118,9 +124,28 @@ class Resize(Callback):
             trainer.strategy.set_batch_sizes(sizes)
 
 
+class RowsOverflow(Callback):
+    """At step 3, trainer 0's first table passes an inf gradient to its rows: the loss and the dense gradients
+    stay finite, as where only the embeddings' gradient overflows."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.handle = None
+        if trainer.global_step == 3 and trainer.global_rank == 0:
+            self.handle = pl_module.embeddings[0].register_forward_hook(self.overflow)
+
+    @staticmethod
+    def overflow(module, inputs, output) -> None:
+        output.register_hook(lambda grad: grad * inf)  # the rows' gradient only: the output is left as it is
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
 def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int, out: Path, **kwargs):
     callbacks = kwargs.pop("callbacks", [])
     ckpt_path = kwargs.pop("ckpt_path", None)
+    plugins = kwargs.pop("plugins", None)
     strategy = HeterogeneousLayerOffloadStrategy if "batch_sizes" in kwargs else LayerOffloadStrategy
     model = make_model(optimizer)
     trainer = Trainer(
@@ -134,6 +159,7 @@ def fit(trainers: int, optimizer: str, servers: int, staleness: int, epochs: int
         enable_model_summary=False,
         num_sanity_val_steps=0,
         callbacks=callbacks,
+        plugins=plugins,
         default_root_dir=out,
         use_distributed_sampler=False,
     )
@@ -164,6 +190,15 @@ def main() -> None:
                 trainers, optimizer, int(servers), 0, EPOCHS, out, callbacks=callbacks, shuffle=False, **kwargs
             )
             (out / f"{scenario}-rank{trainer.global_rank}.json").write_text(json.dumps(counts.counts))
+        elif scenario.startswith("overflow-"):
+            _, optimizer, servers = scenario.split("-")
+            scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+            plugins = [MixedPrecision("16-mixed", "cpu", scaler)]
+            trainer, model = fit(
+                trainers, optimizer, int(servers), 0, EPOCHS, out, callbacks=[RowsOverflow()], plugins=plugins
+            )
+            dense = {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")}
+            torch.save({"scale": scaler.get_scale(), "dense": dense}, out / f"{scenario}-rank{trainer.global_rank}.pt")
         elif scenario.startswith(("resume-", "sizes_resume-")):
             kind, optimizer, old, new = scenario.split("-")
             # sizes_resume: per-trainer sizes (the resumed run's own would be others: the checkpoint's hold)
