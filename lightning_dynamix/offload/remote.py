@@ -259,11 +259,19 @@ class EmbeddingClient:
             self._recorded.append(_Lookup(table, plan, rows))
         return rows, plan
 
-    def rows_finite(self) -> bool:
-        """Whether every row gradient of this step so far is finite (none yet counts as finite)."""
+    def rows_finite(self) -> Tensor:
+        """Whether every row gradient of this step so far is finite (none yet counts as finite): a 0-d bool
+        tensor on the rows' device, computed without waiting for it (one wait per step, by whoever reads it)."""
         leaves = [lookup.rows for lookup in self._recorded]
         leaves += [leaf for entry in self._trained for leaf in entry.leaves.values()]
-        return all(leaf.grad is None or bool(torch.isfinite(leaf.grad).all()) for leaf in leaves)
+        grads = [leaf.grad for leaf in leaves if leaf.grad is not None]
+        if not grads:
+            return torch.tensor(True)
+        found, one = torch.zeros((), device=grads[0].device), torch.ones((), device=grads[0].device)
+        # the GradScaler's own check, one pass over all the tensors (26 tables' rows: 18 us on a CPU core,
+        # against 357 us for an isfinite per table); "unscaled" by 1, they are left as they are
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one)
+        return found == 0
 
     def _tell_waited(self, started: float) -> None:
         if self.waited is not None:

@@ -110,17 +110,10 @@ class RunnerProfile:
         )
 
     def scaled(self, factor: float) -> RunnerProfile:
-        """These terms on a machine ``factor`` times as slow: every time multiplied by it, the rows as they are."""
-        return dataclasses.replace(
-            self,
-            step_seconds=self.step_seconds * factor,
-            loader_seconds=self.loader_seconds * factor,
-            optimizer_seconds=self.optimizer_seconds * factor,
-            trainer_row_seconds=self.trainer_row_seconds * factor,
-            server_row_seconds=self.server_row_seconds * factor,
-            request_seconds=self.request_seconds * factor,
-            server_table_seconds=self.server_table_seconds * factor,
-        )
+        """These terms on a machine ``factor`` times as slow: every time (``*_seconds``) multiplied by it, the
+        rows as they are."""
+        times = [f.name for f in dataclasses.fields(self) if f.name.endswith("_seconds")]
+        return dataclasses.replace(self, **{name: getattr(self, name) * factor for name in times})
 
     @property
     def fixed_seconds(self) -> float:

@@ -375,7 +375,7 @@ class LayerOffloadStrategy(DDPStrategy):
         def checked() -> Any:
             result = closure()
             assert self._client is not None
-            finite = torch.tensor(float(self._client.rows_finite()), device=self.root_device)
+            finite = self._client.rows_finite().to(self.root_device, torch.float32)
             if self.world_size > 1:
                 torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
             if not finite.item():
