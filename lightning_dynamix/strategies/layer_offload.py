@@ -171,6 +171,7 @@ class LayerOffloadStrategy(DDPStrategy):
         self._remote: dict[str, RemoteTable] = {}  # their stand-ins, by name
         self._misses_warned = False
         self._failed = False
+        self._servers_finished = False  # every trainer had its `finish` answered: the servers have no work left
         self._checkpoint_path: Path | None = None
 
     @property
@@ -609,6 +610,9 @@ class LayerOffloadStrategy(DDPStrategy):
                         raise  # after a failure, the tables come back where they still can
             if not self._failed:
                 client.finish()
+                if self.world_size > 1:  # then every trainer has its answer, and the servers may go at once
+                    self.barrier("embedding servers finished")
+                self._servers_finished = True
         finally:
             client.close()
             # modules whose rows did not come back keep their stand-ins, which say where the tables went
@@ -624,7 +628,12 @@ class LayerOffloadStrategy(DDPStrategy):
 
     def _stop_servers(self) -> None:
         servers, self._servers = self._servers, []
+        finished, self._servers_finished = self._servers_finished, False
         for server in servers:
+            if finished:
+                # Nothing is left for them to do: on their own they would wait a grace period for the last
+                # answer to leave (they cannot know it arrived), then shut down; the trainers know.
+                server.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.wait(timeout=0 if self._failed else _SERVER_EXIT_WAIT_S)
             if server.poll() is None:

@@ -221,6 +221,20 @@ def test_a_trainer_leaves_a_core_to_each_server_it_launched_and_gets_its_threads
     assert torch.get_num_threads() == before
 
 
+def test_the_servers_a_fit_started_are_gone_when_it_returns():
+    pids = []
+
+    class Servers(Callback):
+        def on_train_start(self, trainer, pl_module):
+            pids.extend(server.pid for server in trainer.strategy._servers)
+
+    fit(Model(), num_embedding_servers=2, callbacks=[Servers()])
+    assert len(pids) == 2
+    for pid in pids:  # stopped and reaped, not left to exit on their own
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
 def test_a_model_without_embeddings_is_refused():
     class Dense(Model):
         def __init__(self):
