@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LONG: dict[str, str] = {
     "make setup": "CI runs it before the suite",
     "make test": "it is the test suite itself",
+    ".venv/bin/python -m pytest": "a part of the test suite, which runs it anyway",
     "make demo": "`dynamix demo`, below",
     "source .venv/bin/activate": "the suite runs inside the virtual environment",
     "dynamix demo": "about 90 s; tests/cli/test_cli.py runs a 1-epoch demo",
@@ -140,6 +141,11 @@ def check_without_running(command: str) -> None:
             serve_parser().parse_args(words[3:])
         except SystemExit as exit_:
             raise AssertionError(f"`{command}`: the server rejects these arguments") from exit_
+    elif words[1:3] == ["-m", "pytest"]:
+        paths = [word for word in words[3:] if not word.startswith("-")]
+        missing = [path for path in paths if not (ROOT / path.split("::")[0]).exists()]
+        assert paths, f"`{command}`: names no tests"
+        assert not missing, f"`{command}`: no such test file {missing}"
     elif words[0] == "make":
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
         assert all(w in targets for w in words[1:]), f"`{command}`: no such target in the Makefile ({targets})"
