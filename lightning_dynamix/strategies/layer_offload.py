@@ -311,8 +311,8 @@ class LayerOffloadStrategy(DDPStrategy):
         env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
         env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
         env["OMP_NUM_THREADS"] = "1"
-        # torch's RPC logs every connection closed without its graceful shutdown as an error, on both ends,
-        # though nothing failed (docs/troubleshooting.md); the servers' C++ side logs its errors only
+        # torch's RPC warns of every connection closed without its graceful shutdown ("encountered error"), on
+        # both ends, though nothing failed (docs/troubleshooting.md): a server's C++ side logs errors only
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         command = server_command(
             "--address",
