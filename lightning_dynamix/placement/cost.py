@@ -313,6 +313,10 @@ class CostModel:
         throughput = 1 / per_sample if per_sample > 0 else math.inf
         return Stage(first, last, kind.name, kind.device, units, seconds, throughput, units * kind.price_per_hour)
 
+    def with_profile(self, profile: ModelProfile) -> CostModel:
+        """This model (resources, target, training and parameter copies) pricing ``profile`` instead."""
+        return CostModel(profile, self.resources, self.target, self.training_samples, self.parameter_copies)
+
     def plan(self, assignment: Sequence[int], solver: str = "") -> PlacementPlan | None:
         """The plan of a per-layer assignment of resource type indices, or None when it is infeasible."""
         if len(assignment) != self.num_layers:

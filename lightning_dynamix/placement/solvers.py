@@ -108,11 +108,8 @@ def _edge(model: CostModel, base: tuple, sign: float, limit: float) -> tuple[flo
 
 
 def _scaled_placement(model: CostModel, factor: float) -> tuple[tuple | None, PlacementPlan | None]:
-    scaled = CostModel(
-        model.profile.scaled(factor), model.resources, model.target, model.training_samples, model.parameter_copies
-    )
     try:
-        plan = solve_dp(scaled)
+        plan = solve_dp(model.with_profile(model.profile.scaled(factor)))
     except InfeasibleError:
         return None, None
     return tuple((stage.resource, stage.units, stage.first, stage.last) for stage in plan.stages), plan

@@ -171,7 +171,6 @@ class LayerOffloadStrategy(DDPStrategy):
         self._remote: dict[str, RemoteTable] = {}  # their stand-ins, by name
         self._misses_warned = False
         self._failed = False
-        self._servers_finished = False  # every trainer had its `finish` answered: the servers have no work left
         self._checkpoint_path: Path | None = None
 
     @property
@@ -586,17 +585,21 @@ class LayerOffloadStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._client is not None:
+            finished = False
             try:
-                self._finish()
+                finished = self._finish()
             finally:
                 self._client = None
-                self._stop_servers()
+                self._stop_servers(finished)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
         super().teardown()
 
-    def _finish(self) -> None:
+    def _finish(self) -> bool:
+        """Flush, bring the tables back, tell the servers this trainer is done; whether every trainer was
+        answered, so that the servers have nothing left to do."""
+        finished = False
         client = self._client
         assert client is not None
         module = self.lightning_module
@@ -613,9 +616,9 @@ class LayerOffloadStrategy(DDPStrategy):
                         raise  # after a failure, the tables come back where they still can
             if not self._failed:
                 client.finish()
-                if self.world_size > 1:  # then every trainer has its answer, and the servers may go at once
+                if self.world_size > 1:  # then every trainer has its answer
                     self.barrier("embedding servers finished")
-                self._servers_finished = True
+                finished = True
         finally:
             client.close()
             # modules whose rows did not come back keep their stand-ins, which say where the tables went
@@ -628,10 +631,10 @@ class LayerOffloadStrategy(DDPStrategy):
             # second fit would never meet the new servers there. `finish` above is the agreement
             # that nothing is in flight (the servers wait for every trainer's).
             rpc.shutdown(graceful=False)
+        return finished
 
-    def _stop_servers(self) -> None:
+    def _stop_servers(self, finished: bool) -> None:
         servers, self._servers = self._servers, []
-        finished, self._servers_finished = self._servers_finished, False
         for server in servers:
             if finished:
                 # Nothing is left for them to do: on their own they would wait a grace period for the last
