@@ -3,7 +3,7 @@
 :class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag` take the place of a LightningModule's
 ``nn.Embedding`` / ``nn.EmbeddingBag`` and behave like them in ``forward``: the batch's ids are
 deduplicated and routed row-wise to the servers (:func:`~lightning_dynamix.offload.route`), the
-distinct rows come back as one leaf tensor, and the module's own functional form
+distinct rows come back as one leaf tensor in the table's own dtype, and the module's own functional form
 (``F.embedding`` / ``F.embedding_bag``) runs on those rows, so padding, bag modes, per-sample
 weights and ``scale_grad_by_freq`` mean what they always did. After the backward pass the leaf's
 gradient holds exactly the summed gradient of every distinct row; :meth:`EmbeddingClient.push`
@@ -44,18 +44,22 @@ class _Lookup:
     rows: Tensor  # the leaf the batch's embeddings are computed from
 
 
+_Layout = tuple[int, torch.dtype]  # a table's rows: their length and dtype
+
+
 @dataclass
 class _Prefetch:
     """Tables' rows asked for one step (or for evaluation), arriving as ``rows``, ``{table: rows}``.
 
-    The tables are routed together, one :class:`TablesRoute` per row length (``groups``); ``leaves``
-    are the rows handed to the tables' forwards where autograd is on, whose gradients :meth:`push`
-    sends.
+    The tables are routed together, one :class:`TablesRoute` per row layout, a row length and a dtype
+    (``groups``): the tables of a group are assembled into one tensor, so two tables of one length and
+    different dtypes are never mixed. ``leaves`` are the rows handed to the tables' forwards where
+    autograd is on, whose gradients :meth:`push` sends.
     """
 
     ids: dict[str, Tensor]  # the ids each table's forward is expected to pass, until it does
-    groups: dict[int, TablesRoute]  # by row length
-    group_of: dict[str, tuple[int, int]]  # table: (row length, its index in the group)
+    groups: dict[_Layout, TablesRoute]  # by row layout
+    group_of: dict[str, tuple[_Layout, int]]  # table: (its row layout, its index in the group)
     answers: dict[int, torch.futures.Future]  # by server
     rows: torch.futures.Future
     leaves: dict[str, Tensor]
@@ -154,10 +158,12 @@ class EmbeddingClient:
 
     # the step protocol -------------------------------------------------------------------------------
 
-    def prefetch(self, lookups: dict[str, tuple[RowSharding, int, Tensor]], training: bool, ahead: int = 0) -> None:
+    def prefetch(
+        self, lookups: dict[str, tuple[RowSharding, int, torch.dtype, Tensor]], training: bool, ahead: int = 0
+    ) -> None:
         """Look up several tables' ids at once: one request per server instead of one per table and server.
 
-        ``lookups`` maps a table to its sharding, row length and the ids the model will pass it. The
+        ``lookups`` maps a table to its sharding, row length, dtype and the ids the model will pass it. The
         rows are kept until the table's own lookup (:meth:`fetch`) asks for the same ids, which then
         sends nothing; a lookup with other ids is sent as usual, so a wrong prefetch costs time only.
         The requests go out at once and the answer is awaited only by that lookup, so a prefetch for a
@@ -165,15 +171,15 @@ class EmbeddingClient:
         """
         step = self.step + ahead if training else None
         self.prefetches_ahead += bool(ahead and training)
-        by_dim: dict[int, list[str]] = {}
-        for table, (_, dim, _) in lookups.items():
-            by_dim.setdefault(dim, []).append(table)
+        by_layout: dict[_Layout, list[str]] = {}  # tables assembled into one tensor share its length and dtype
+        for table, (_, dim, dtype, _) in lookups.items():
+            by_layout.setdefault((dim, dtype), []).append(table)
         groups = {
-            dim: route_tables(
-                {table: lookups[table][2].detach().cpu() for table in tables},
+            layout: route_tables(
+                {table: lookups[table][3].detach().cpu() for table in tables},
                 {table: lookups[table][0] for table in tables},
             )
-            for dim, tables in by_dim.items()
+            for layout, tables in by_layout.items()
         }
         futures = {}
         for server in range(self.num_servers):
@@ -186,13 +192,15 @@ class EmbeddingClient:
             # run as the answers arrive; a failed one is raised, naming its server, by _take_prefetched
             answers = [futures[s].value() if s in futures else {} for s in range(self.num_servers)]
             rows = {}
-            for dim, group in groups.items():
-                rows.update(zip(group.tables, group.assemble(answers, dim)))
+            for (dim, dtype), group in groups.items():
+                rows.update(zip(group.tables, group.assemble(answers, dim, dtype)))
             return rows
 
         rows = torch.futures.collect_all(list(futures.values())).then(assemble)
-        ids = {table: ids for table, (_, _, ids) in lookups.items()}
-        group_of = {table: (dim, index) for dim, tables in by_dim.items() for index, table in enumerate(tables)}
+        ids = {table: ids for table, (_, _, _, ids) in lookups.items()}
+        group_of = {
+            table: (layout, index) for layout, tables in by_layout.items() for index, table in enumerate(tables)
+        }
         self._prefetched[step] = _Prefetch(ids, groups, group_of, futures, rows, {})
 
     def has_prefetch(self, training: bool) -> bool:
@@ -224,11 +232,14 @@ class EmbeddingClient:
             if not entry.leaves:
                 self._trained.append(entry)
             entry.leaves[table] = rows
-        dim, index = entry.group_of[table]
-        return rows, entry.groups[dim].table(index)
+        layout, index = entry.group_of[table]
+        return rows, entry.groups[layout].table(index)
 
-    def fetch(self, table: str, sharding: RowSharding, dim: int, ids: Tensor, training: bool) -> tuple[Tensor, Route]:
-        """The distinct rows of ``ids`` (on ``ids``' device) and the route that maps ids to them.
+    def fetch(
+        self, table: str, sharding: RowSharding, dim: int, dtype: torch.dtype, ids: Tensor, training: bool
+    ) -> tuple[Tensor, Route]:
+        """The distinct rows of ``ids`` (on ``ids``' device, in the table's ``dtype``) and the route that maps
+        ids to them.
 
         In training the rows are those step :attr:`step` must see, and, where autograd is on, a
         leaf whose gradient :meth:`push` sends; otherwise the servers' current rows. Rows
@@ -249,7 +260,7 @@ class EmbeddingClient:
         values = [
             self._wait(server, remote.remote_lookup, futures[server])
             if server in futures
-            else torch.empty((0, dim), dtype=torch.float32)
+            else torch.empty((0, dim), dtype=dtype)  # a server with none of the rows: the table's dtype all the same
             for server in range(self.num_servers)
         ]
         self._tell_waited(started)
@@ -299,13 +310,13 @@ class EmbeddingClient:
             for server, grads in enumerate(lookup.route.split(_grad(lookup.rows))):
                 add(server, lookup.table, lookup.route.shard_rows[server], grads)
         for entry in self._trained:
-            for dim, group in entry.groups.items():
+            for (dim, dtype), group in entry.groups.items():
                 taken = {table for table in group.tables if table in entry.leaves}
                 if not taken:
                     continue
                 grads = torch.cat(
                     [
-                        _grad(entry.leaves[table]) if table in taken else torch.zeros((size, dim))
+                        _grad(entry.leaves[table]) if table in taken else torch.zeros((size, dim), dtype=dtype)
                         for table, size in zip(group.tables, group.sizes)
                     ]
                 )
@@ -348,7 +359,7 @@ def _grad(rows: Tensor) -> Tensor:
 
 
 class RemoteTable(nn.Module):
-    """What :class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag` share: a table's name, shape and sharding."""
+    """What :class:`RemoteEmbedding` and :class:`RemoteEmbeddingBag` share: a table's name, shape, dtype, sharding."""
 
     def __init__(self, client: EmbeddingClient, table: str, module: nn.Embedding | nn.EmbeddingBag) -> None:
         super().__init__()
@@ -361,12 +372,13 @@ class RemoteTable(nn.Module):
         self.table = table
         self.num_embeddings = module.num_embeddings
         self.embedding_dim = module.embedding_dim
+        self.dtype = module.weight.dtype  # the rows' on the servers and here, whatever the default dtype
         self.padding_idx = module.padding_idx
         self.scale_grad_by_freq = module.scale_grad_by_freq
         self.sharding = RowSharding(module.num_embeddings, client.num_servers)
 
     def _rows(self, ids: Tensor) -> tuple[Tensor, Tensor, int | None]:
-        rows, plan = self.client.fetch(self.table, self.sharding, self.embedding_dim, ids, self.training)
+        rows, plan = self.client.fetch(self.table, self.sharding, self.embedding_dim, self.dtype, ids, self.training)
         inverse = plan.inverse.to(ids.device).reshape(ids.shape)
         padding = None
         if self.padding_idx is not None:
@@ -375,7 +387,10 @@ class RemoteTable(nn.Module):
         return rows, inverse, padding
 
     def extra_repr(self) -> str:
-        return f"{self.table!r}, {self.num_embeddings}, {self.embedding_dim}, servers={self.client.num_servers}"
+        return (
+            f"{self.table!r}, {self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype},"
+            f" servers={self.client.num_servers}"
+        )
 
 
 class RemoteEmbedding(RemoteTable):

@@ -44,7 +44,7 @@ from torch.futures import Future
 
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.offload.shard import TableShard, reshard_states
-from lightning_dynamix.offload.sharding import RowSharding
+from lightning_dynamix.offload.sharding import RowSharding, dtype_name
 from lightning_dynamix.offload.sparse_optim import SparseRowOptimizer
 
 # what one trainer pushes to one server for one step: per table, the local rows and their gradients
@@ -63,6 +63,9 @@ class TableSpec:
         init_seed: when the trainers send no initial rows (a table built on the meta device), the
             seed of the server's own ``N(0, 1)`` initialisation; ``padding_idx`` is then zeroed.
         padding_idx: the row kept at zero by such an initialisation, or None.
+        dtype: the dtype of the table's rows (a floating-point one), which its shards, their optimiser
+            state, the rows a lookup answers and the gradients pushed for it all have; the strategy gives
+            each table its embedding module's. A server never takes it from its own default dtype.
     """
 
     name: str
@@ -71,6 +74,14 @@ class TableSpec:
     optimizer: SparseRowOptimizer
     init_seed: int = 0
     padding_idx: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(
+                f"table {self.name!r}: `dtype` must be a floating-point torch.dtype (torch.float32, torch.float64,"
+                f" torch.bfloat16, torch.float16, ...), got {self.dtype!r}"
+            )
 
 
 class EmbeddingServer:
@@ -108,13 +119,23 @@ class EmbeddingServer:
     # set-up -------------------------------------------------------------------------------------
 
     def create_table(self, spec: TableSpec, weight: torch.Tensor | None) -> None:
-        """Create this server's shard of a table from its initial rows, or initialise them here."""
+        """Create this server's shard of a table from its initial rows, or initialise them here.
+
+        Raises:
+            ValueError: for initial rows of another dtype than ``spec.dtype``.
+        """
         sharding = RowSharding(spec.num_rows, self.num_servers)
         if weight is None:
             generator = torch.Generator().manual_seed(spec.init_seed * 1_000_003 + self.server_rank)
-            weight = torch.randn(sharding.shard_rows(self.server_rank), spec.dim, generator=generator)
+            rows = sharding.shard_rows(self.server_rank)
+            weight = torch.randn(rows, spec.dim, generator=generator, dtype=spec.dtype)
             if spec.padding_idx is not None and spec.padding_idx % self.num_servers == self.server_rank:
                 weight[spec.padding_idx // self.num_servers] = 0
+        elif weight.dtype != spec.dtype:
+            raise ValueError(
+                f"table {spec.name!r} is {dtype_name(spec.dtype)} (its spec's `dtype`), and the initial rows"
+                f" given for it are {dtype_name(weight.dtype)}"
+            )
         with self._lock:
             self.last_request = time.monotonic()
             self.tables[spec.name] = TableShard(spec.name, sharding, self.server_rank, weight, spec.optimizer)
@@ -174,8 +195,13 @@ class EmbeddingServer:
                 raise RuntimeError(
                     f"trainer {trainer} pushed step {step} after step {self._pushed[trainer]}; steps must come in order"
                 )
-            for name in grads:
-                self._table(name)
+            for name, (_, values) in grads.items():
+                dtype = self._table(name).weight.dtype
+                if values.dtype != dtype:  # refused here: at the update, it would fail the last trainer's push
+                    raise ValueError(
+                        f"trainer {trainer} pushed {dtype_name(values.dtype)} gradients of table {name!r} (step"
+                        f" {step}), which is {dtype_name(dtype)}: a table's gradients have its dtype"
+                    )
             self._pushes.setdefault(step, {})[trainer] = (grads, weight)
             self._pushed[trainer] = step
             self._advance()

@@ -69,7 +69,12 @@ class TableShard:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore rows and optimiser state saved by a shard of the same table, sharding and optimiser."""
+        """Restore rows and optimiser state saved by a shard of the same table, sharding and optimiser.
+
+        The rows and the optimiser's floating-point state keep this shard's dtype (the table's): saved in
+        another, they are cast to it, as ``nn.Module.load_state_dict`` and ``torch.optim.Optimizer.load_state_dict``
+        cast a parameter and its state.
+        """
         mine = (self.name, self.sharding.num_rows, self.sharding.num_shards, self.shard, self.optimizer.name)
         theirs = tuple(state_dict[k] for k in ("name", "num_rows", "num_shards", "shard", "optimizer"))
         if mine != theirs:
@@ -78,11 +83,18 @@ class TableShard:
                 " re-shard it first with reshard_states()"
             )
         self.weight.copy_(state_dict["weight"])
-        self.state = _copied(state_dict["state"])
+        self.state = _copied(state_dict["state"], self.weight.dtype)
 
 
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+def _copied(state: dict[str, Any], dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """A copy of optimiser state; with ``dtype``, its floating-point tensors in that dtype."""
+    copied = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            cast = dtype is not None and value.is_floating_point()
+            value = value.to(dtype, copy=True) if cast else value.clone()
+        copied[key] = value
+    return copied
 
 
 def reshard_states(states: Sequence[dict[str, Any]], num_shards: int, row_keys: Sequence[str]) -> list[dict[str, Any]]:

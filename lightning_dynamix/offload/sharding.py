@@ -85,8 +85,19 @@ class Route:
     shard_rows: tuple[torch.Tensor, ...]
 
     def assemble(self, shard_values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The rows of ``unique`` from each server's answer (rows in ``shard_rows`` order)."""
+        """The rows of ``unique`` from each server's answer (rows in ``shard_rows`` order), in the answers' dtype.
+
+        A server that holds none of the rows answers with an empty tensor, which must have the table's
+        dtype too: the rows are never cast, so a table keeps its own.
+
+        Raises:
+            ValueError: for answers of different dtypes, naming them.
+        """
         first = shard_values[0]
+        dtypes = {values.dtype for values in shard_values}
+        if len(dtypes) > 1:
+            names = ", ".join(sorted(map(dtype_name, dtypes)))
+            raise ValueError(f"the servers' answers for one table have different dtypes: {names}")
         out = first.new_empty((len(self.unique), *first.shape[1:]))
         for positions, values in zip(self.shard_positions, shard_values):
             out[positions] = values
@@ -167,15 +178,33 @@ class TablesRoute:
         inverse = self.inverse[offset : offset + self.lengths[index]]
         return Route(unique, inverse, (), ())
 
-    def assemble(self, answers: Sequence[dict[str, torch.Tensor]], dim: int) -> list[torch.Tensor]:
+    def assemble(
+        self, answers: Sequence[dict[str, torch.Tensor]], dim: int, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
         """Per table, the rows of its distinct ids, from each server's answer (per table, rows in ``shard_rows`` order).
 
-        The tables' rows are consecutive slices of one tensor, each its own tensor to autograd.
+        The tables' rows are consecutive slices of one tensor, each its own tensor to autograd: so the
+        tables routed together must share their row length ``dim`` and their ``dtype`` (None: that of the
+        answers, of which there must then be one). Nothing is cast: a table of another dtype is an error.
+
+        Raises:
+            ValueError: for an answer whose dtype is not ``dtype`` (or not the others'), naming its table.
         """
-        out = torch.empty((len(self.unique), dim), dtype=torch.float32)
+        if dtype is None:
+            given = [answers[server][table] for server in range(len(answers)) for table in self.shard_rows[server]]
+            if not given:
+                raise ValueError("no server answered any row: give the rows' `dtype`")
+            dtype = given[0].dtype
+        out = torch.empty((len(self.unique), dim), dtype=dtype)
         for server, positions in enumerate(self.shard_positions):
             if len(positions):
                 parts = [answers[server][table] for table in self.shard_rows[server]]
+                for table, part in zip(self.shard_rows[server], parts):
+                    if part.dtype != dtype:
+                        raise ValueError(
+                            f"embedding {table!r}: server {server} answered {dtype_name(part.dtype)} rows, routed"
+                            f" together with {dtype_name(dtype)} ones; route tables of different dtypes apart"
+                        )
                 out.index_copy_(0, positions, parts[0] if len(parts) == 1 else torch.cat(parts))
         return list(out.split(self.sizes))
 
@@ -256,3 +285,8 @@ def route_tables(ids: dict[str, torch.Tensor], shardings: dict[str, RowSharding]
         tuple(shard_rows),
         tuple(shard_counts),
     )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as users write it in messages: ``float64``, not ``torch.float64``."""
+    return str(dtype).removeprefix("torch.")

@@ -186,6 +186,9 @@ class LayerOffloadStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         targets = self._select(module)
+        # the precision plugin gives the model its dtype ("64-true", "bf16-true") in DDP's set-up, without the
+        # tables, which are out of it by then: they get that dtype here, as they would in it, and keep it
+        targets = {name: self.precision_plugin.convert_module(embedding) for name, embedding in targets.items()}
         if trainer.state.fn == TrainerFn.FITTING and self.prefetch_depth:  # refused before any server starts
             self._refuse_read_ahead(self._read_ahead_refusals(module, trainer))
         self._failed = False
@@ -495,7 +498,7 @@ class LayerOffloadStrategy(DDPStrategy):
                     f"{type(module).__name__}.embedding_ids(batch)[{name!r}] must be a tensor of ids,"
                     f" got {type(value).__name__}"
                 )
-            lookups[name] = (table.sharding, table.embedding_dim, value)
+            lookups[name] = (table.sharding, table.embedding_dim, table.dtype, value)
         if lookups:
             self._client.prefetch(lookups, training=training, ahead=ahead)
 
@@ -732,6 +735,7 @@ def _spec(name: str, embedding: nn.Module, optimizer: SparseRowOptimizer) -> Tab
         optimizer=optimizer,
         init_seed=torch.initial_seed() % (2**31) + sum(map(ord, name)),
         padding_idx=embedding.padding_idx,
+        dtype=embedding.weight.dtype,
     )
 
 

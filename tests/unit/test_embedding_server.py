@@ -121,6 +121,49 @@ def test_save_and_load_into_another_server_count(tmp_path):
     assert halves[0].rows("t").abs().sum() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_a_table_keeps_its_dtype_on_the_server_in_lookups_updates_optimiser_state_and_checkpoints(dtype, tmp_path):
+    # the server's default dtype is float32, as in a server process; the table's comes with its spec
+    assert torch.get_default_dtype() == torch.float32
+    s = EmbeddingServer(0, 1, num_trainers=2)
+    given = torch.arange(ROWS * DIM, dtype=dtype).reshape(ROWS, DIM)
+    adagrad = RowAdagrad(lr=1.0, eps=0.0)  # exactly -lr * g / |g| at its first step
+    s.create_table(TableSpec("given", ROWS, DIM, adagrad, dtype=dtype), given.clone())
+    s.create_table(TableSpec("initialised", ROWS, DIM, RowSGD(lr=1.0), dtype=dtype), None)  # a meta-device table
+    assert s.rows("given").dtype == s.rows("initialised").dtype == dtype
+    assert s.tables["given"].state["sum"].dtype == dtype
+    answer = s.lookup_many(None, {"given": torch.tensor([1]), "initialised": torch.tensor([2])}).value()
+    assert answer["given"].dtype == answer["initialised"].dtype == dtype
+    for trainer in range(2):  # two trainers' gradients, weighted and summed in the table's dtype
+        s.push(trainer, 0, {"given": (torch.tensor([1]), torch.full((1, DIM), 3.0, dtype=dtype))}, 0.5)
+    trained = (given[1] - 1).tolist()
+    assert s.rows("given")[1].tolist() == trained
+    assert s.rows("given").dtype == s.tables["given"].state["sum"].dtype == dtype
+    s.save(str(tmp_path / "server-0-of-1.pt"))
+    halves = [EmbeddingServer(rank, 2, 1) for rank in range(2)]
+    for half in halves:
+        spec = TableSpec("given", ROWS, DIM, adagrad, dtype=dtype)
+        half.create_table(spec, torch.zeros(ROWS // 2, DIM, dtype=dtype))
+        half.create_table(TableSpec("initialised", ROWS, DIM, RowSGD(lr=1.0), dtype=dtype), None)
+        half.load([str(tmp_path / "server-0-of-1.pt")])
+        assert half.rows("given").dtype == half.tables["given"].state["sum"].dtype == dtype
+    assert halves[1].rows("given")[0].tolist() == trained  # row 1 is server 1's local row 0
+
+
+def test_a_table_refuses_rows_and_gradients_of_another_dtype_naming_it():
+    s = EmbeddingServer(0, 1, 1)
+    s.create_table(TableSpec("t", ROWS, DIM, RowSGD(lr=1.0), dtype=torch.float64), None)
+    with pytest.raises(ValueError, match=r"trainer 0 pushed float32 gradients of table 't' \(step 0\), which is"
+                       r" float64"):  # fmt: skip
+        s.push(0, 0, {"t": (torch.tensor([0]), torch.ones(1, DIM))}, 1.0)
+    assert s.applied == -1  # refused, not queued: the trainer may push its step again
+    with pytest.raises(ValueError, match=r"table 'u' is bfloat16 \(its spec's `dtype`\), and the initial rows"
+                       r" given for it are float32"):  # fmt: skip
+        s.create_table(TableSpec("u", ROWS, DIM, RowSGD(lr=1.0), dtype=torch.bfloat16), torch.zeros(ROWS, DIM))
+    with pytest.raises(ValueError, match=r"table 'v': `dtype` must be a floating-point torch.dtype .* got torch.int64"):
+        TableSpec("v", ROWS, DIM, RowSGD(lr=1.0), dtype=torch.int64)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -308,3 +308,28 @@ def test_an_overflow_in_the_rows_gradients_alone_skips_the_step_as_plain_lightni
     assert torch.isfinite(result["table.weight"]).all()
     for name, tensor in expected.items():
         torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
+def test_a_true_precision_gives_the_offloaded_tables_the_dtype_it_gives_the_model_as_plain_lightning_does(precision):
+    # the plugin converts the model in DDP's set-up, when the tables are already out of it: they must come
+    # out of the servers in the dtype they have in plain Lightning, trained as there
+    dtype = {"64-true": torch.float64, "bf16-true": torch.bfloat16}[precision]
+
+    def train(strategy: type[LayerOffloadStrategy] | str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Model()
+        plugin = DoublePrecision() if precision == "64-true" else HalfPrecision(precision)
+        fit(model, strategy=strategy, max_steps=4, plugins=[plugin], timeout=timedelta(seconds=60))
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    expected = train("auto")
+    assert expected["table.weight"].dtype == dtype
+    result = train(LayerOffloadStrategy)
+    # bfloat16: the servers round a row's change before adding it, torch's SGD rounds the sum only; each of the
+    # 4 updates may leave a value a unit in its last place away (relative, and one unit at 1 near 0)
+    unit = torch.finfo(dtype).eps
+    rtol, atol = (4 * unit, unit) if dtype == torch.bfloat16 else (0.0, 1e-12)
+    for name, tensor in expected.items():
+        assert result[name].dtype == tensor.dtype, name
+        torch.testing.assert_close(result[name], tensor, rtol=rtol, atol=atol)

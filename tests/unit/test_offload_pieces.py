@@ -201,3 +201,78 @@ def test_shard_states_that_do_not_fit_are_refused():
         shards[0].load_state_dict(shards[1].state_dict())
     with pytest.raises(ValueError, match=r"`weight` must have 5 rows and 2 dimensions, got shape \(4, 3\)"):
         TableShard("C2", two, 0, torch.randn(4, 3), optimizer)
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_table_s_rows_and_gradients_keep_its_dtype_also_where_a_server_holds_none_of_the_batch(dtype):
+    sharding = RowSharding(10, 2)
+    shards = sharding.split(torch.randn(10, 3).to(dtype))
+    plan = route(torch.tensor([1, 7, 3, 7]), sharding)  # odd ids only: server 0 holds none of them
+    assert not len(plan.shard_rows[0])
+    answers = [shards[s][plan.shard_rows[s]] if len(plan.shard_rows[s]) else torch.empty((0, 3), dtype=dtype)
+               for s in range(2)]  # fmt: skip
+    rows = plan.assemble(answers)
+    assert rows.dtype == dtype
+    assert torch.equal(rows, shards[1][[0, 1, 3]])  # ids 1, 3 and 7
+    assert all(grads.dtype == dtype for grads in plan.split(torch.ones_like(rows)))
+    with pytest.raises(ValueError, match="answers for one table have different dtypes: "):
+        plan.assemble([torch.empty((0, 3), dtype=torch.float32 if dtype != torch.float32 else torch.float64),
+                       answers[1]])  # fmt: skip
+
+
+def test_tables_of_one_row_length_and_different_dtypes_are_never_assembled_into_one_tensor():
+    # a step's tables routed together share one tensor: only tables of one dtype may be
+    shardings = {"f64": RowSharding(6, 2), "bf16": RowSharding(5, 2)}
+    tables = {"f64": torch.randn(6, 2, dtype=torch.float64), "bf16": torch.randn(5, 2).bfloat16()}
+    ids = {"f64": torch.tensor([0, 3, 5]), "bf16": torch.tensor([4, 1])}
+    for name in tables:  # routed apart, each table keeps its dtype, its rows exact
+        together = route_tables({name: ids[name]}, {name: shardings[name]})
+        shards = shardings[name].split(tables[name])
+        answers = [{name: shards[s][rows] for name, rows in together.shard_rows[s].items()} for s in range(2)]
+        (rows,) = together.assemble(answers, 2, tables[name].dtype)
+        assert rows.dtype == tables[name].dtype
+        assert torch.equal(rows[together.table(0).inverse], tables[name][ids[name]])
+        pushed = together.split(torch.ones_like(rows), {name})
+        assert all(pushed[s][name][1].dtype == tables[name].dtype for s in range(2))
+    # with no rows at all, the dtype given is the rows'
+    empty = route_tables({"bf16": torch.empty(0, dtype=torch.int64)}, {"bf16": shardings["bf16"]})
+    assert empty.assemble([{}, {}], 2, torch.bfloat16)[0].dtype == torch.bfloat16
+    # routed together, the answers of the table of the other dtype are refused, naming it: never cast
+    together = route_tables(ids, shardings)
+    answers = [
+        {name: shardings[name].split(tables[name])[s][rows] for name, rows in together.shard_rows[s].items()}
+        for s in range(2)
+    ]
+    with pytest.raises(ValueError, match=r"embedding 'bf16': server \d answered bfloat16 rows, routed together"
+                       r" with float64 ones"):  # fmt: skip
+        together.assemble(answers, 2, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_shard_keeps_its_dtype_in_its_optimiser_state_and_in_a_checkpoint_resharded(dtype):
+    from lightning_dynamix.offload import TableShard, reshard_states
+
+    optimizer = make_sparse_optimizer("adagrad", lr=0.5)
+    two = RowSharding(9, 2)
+    shards = [TableShard("C3", two, s, w, optimizer) for s, w in enumerate(two.split(torch.randn(9, 3).to(dtype)))]
+    for shard in shards:
+        shard.update(torch.tensor([0, 2]), torch.ones(2, 3, dtype=dtype))
+        assert shard.weight.dtype == shard.state["sum"].dtype == dtype
+    states = reshard_states([shard.state_dict() for shard in shards], 3, optimizer.row_state_keys())
+    assert all(state["weight"].dtype == state["state"]["sum"].dtype == dtype for state in states)
+    three = RowSharding(9, 3)
+    resumed = [TableShard("C3", three, s, torch.zeros(3, 3, dtype=dtype), optimizer) for s in range(3)]
+    for shard, state in zip(resumed, states):
+        shard.load_state_dict(state)
+        assert shard.weight.dtype == shard.state["sum"].dtype == dtype
+    assert torch.equal(three.join([s.weight for s in resumed]), two.join([s.weight for s in shards]))
+    # a state saved in another dtype is cast into the shard's, its optimiser state with it, as torch's own
+    # load_state_dict does for a parameter and its state
+    other = torch.float64 if dtype != torch.float64 else torch.float32
+    shard = TableShard("C3", three, 0, torch.zeros(3, 3, dtype=other), optimizer)
+    shard.load_state_dict(states[0])
+    assert shard.weight.dtype == shard.state["sum"].dtype == other
+    assert shard.state["step"] == 1
