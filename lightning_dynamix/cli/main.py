@@ -14,6 +14,7 @@ from lightning_dynamix.bench import placement as bench_placement
 from lightning_dynamix.bench import plan as bench_plan
 from lightning_dynamix.bench import policy as bench_policy
 from lightning_dynamix.bench import replan as bench_replan
+from lightning_dynamix.bench import sit_out as bench_sit_out
 from lightning_dynamix.cli import demo, plan, policy, report
 
 
@@ -96,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_replan.add_arguments(replan)
     replan.set_defaults(func=bench_replan.run)
+    sit_out = benchmarks.add_parser(
+        "sit-out", help="a step's time while ranks sit out (min_batch_size=0), and while the sitting ranks change"
+    )
+    bench_sit_out.add_arguments(sit_out)
+    sit_out.set_defaults(func=bench_sit_out.run)
     elastic = benchmarks.add_parser(
         "elastic", help="a node preempted and back under torch elastic: work lost, recovery and time to accuracy"
     )

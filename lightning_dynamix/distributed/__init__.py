@@ -10,9 +10,11 @@ from lightning_dynamix.distributed.collectives import (
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.distributed.sit_out import (
+    MAX_TRAINING_GROUPS,
+    TrainingRanksGroups,
     broadcast_training_state,
     can_leave_gradient_sync,
-    training_ranks_group,
+    training_ranks_groups,
     zero_gradient_loss,
 )
 from lightning_dynamix.distributed.weighting import (
@@ -23,9 +25,11 @@ from lightning_dynamix.distributed.weighting import (
 )
 
 __all__ = [
+    "MAX_TRAINING_GROUPS",
     "BucketNorms",
     "LossReduction",
     "SyncWindowWeighting",
+    "TrainingRanksGroups",
     "WeightedAllReduceState",
     "broadcast_floats",
     "broadcast_training_state",
@@ -35,7 +39,7 @@ __all__ = [
     "let_backend_threads_finish",
     "report_gradient_norms",
     "set_batch_sizes_on_every_rank",
-    "training_ranks_group",
+    "training_ranks_groups",
     "validate_loss_reduction",
     "weighted_allreduce_hook",
     "weighted_mean_all_reduce",

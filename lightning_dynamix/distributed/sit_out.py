@@ -2,7 +2,7 @@
 
 A rank whose batch size is 0 at a step trains nothing. Where DDP makes no collective of its own
 (:func:`can_leave_gradient_sync`), it can skip the step altogether: the others all-reduce in a group
-of their own (:func:`training_ranks_group`), and before it is used again it receives their state
+of their own (:class:`TrainingRanksGroups`), and before it is used again it receives their state
 (:func:`broadcast_training_state`). Elsewhere DDP's all-reduce needs every rank's gradient
 buckets: :func:`zero_gradient_loss` gives it a loss of exactly 0 that runs through the
 DDP wrapper's forward (its buffer broadcast and its reducer's preparation, the collectives and
@@ -12,13 +12,16 @@ weight ``b_r / sum(b)`` is 0, and the optimizer step applies the same all-reduce
 rank. The fixed cost of the model's forward and backward passes is skipped.
 
 Collectives the ranks that train make among themselves (their gradients' all-reduce while others
-are away, a weighted mean logged from the training step) go through :func:`training_ranks_group`: a
-process group of just those ranks, created by them alone, once per set of ranks.
+are away, a weighted mean logged from the training step) go through a process group of just those
+ranks (:class:`TrainingRanksGroups`), which every rank makes at the step the set first appears, so
+that no collective depends on which ranks train without every rank having agreed to it.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,6 +30,8 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+
+from lightning_dynamix._checks import require_int
 
 
 def zero_gradient_loss(model: DistributedDataParallel) -> Tensor:
@@ -56,29 +61,114 @@ def zero_gradient_loss(model: DistributedDataParallel) -> Tensor:
             del inner.forward
 
 
-# a group's name (its store keys) follows from its ranks alone, so a process creates each group once
-# per default group: two trainers in one process (Lightning keeps the default group) share them
-_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-_groups_of: object = None
+MAX_TRAINING_GROUPS = 8
+"""How many groups of training ranks a process keeps at most; the one unused the longest goes first."""
 
 
-def training_ranks_group(batch_sizes: Sequence[int]) -> dist.ProcessGroup | None:
-    """The process group of the ranks with a batch size above 0; ``None`` (the default group) when all train.
+class TrainingRanksGroups:
+    """The process groups of the ranks that train a step while others sit it out, agreed by every rank.
 
-    For collectives the ranks that sit out do not join: call it on the training ranks only. Each
-    set of ranks gets its group once per process and default group, created with local
-    synchronisation (ranks outside it need not take part).
+    :meth:`prepare` is a collective: every rank calls it at every step where some rank sits out, with
+    the step's sizes (every rank knows them: they come from the one global schedule), before any
+    collective among the ranks that train. The first time a set of training ranks appears, every rank
+    makes its group, members and the others alike, in the same order. (A group made by its members
+    alone, with torch's ``use_local_synchronization=True``, is named after its ranks and after the
+    number of groups the calling process already knows; ranks that sat out different steps know
+    different numbers, so the members of a new set waited for each other under different names, for
+    ever: three ranks, rank 0 out and then rank 1 out. Made by every rank, a group is named from a
+    counter that all ranks advance together.)
+
+    At most ``capacity`` groups are held: before a new one is made, the group unused for the longest is
+    retired (a barrier of its members, so none is still in a collective on it, then destroyed). A job of
+    64 ranks with any sequence of sitting sets holds ``capacity`` groups at most. :meth:`group` returns
+    a prepared group and makes nothing: what the training ranks call for their own collectives.
+
+    A process keeps one of these (:func:`training_ranks_groups`), so successive fits in one process
+    share their groups; groups of the default group a process had before its current one are dropped.
+
+    Args:
+        capacity: the most groups held at once, at least 1.
     """
-    global _groups_of
-    if min(batch_sizes) > 0:
-        return None
-    if _groups_of is not dist.group.WORLD:  # another default group: the old ones are gone with it
-        _groups.clear()
-        _groups_of = dist.group.WORLD
-    ranks = tuple(r for r, b in enumerate(batch_sizes) if b > 0)
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-    return _groups[ranks]
+
+    def __init__(self, capacity: int = MAX_TRAINING_GROUPS) -> None:
+        self.capacity = require_int("capacity", capacity, 1)
+        # (training ranks, timeout) -> their group (NON_GROUP_MEMBER on the other ranks), least recently used first
+        self._groups: OrderedDict[tuple[tuple[int, ...], timedelta | None], Any] = OrderedDict()
+        self._world: object = None
+        self.created = 0
+        """Groups made so far, retired ones included: how often a set of training ranks was new."""
+
+    def __len__(self) -> int:
+        """The number of groups held now."""
+        return len(self._groups)
+
+    def _key(self, batch_sizes: Sequence[int], timeout: timedelta | None) -> tuple[tuple[int, ...], timedelta | None]:
+        if self._world is not dist.group.WORLD:  # a new default group: the old groups went with the old one
+            self._groups.clear()
+            self._world = dist.group.WORLD
+        return tuple(r for r, b in enumerate(batch_sizes) if b > 0), timeout
+
+    def prepare(self, batch_sizes: Sequence[int], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+        """This step's group of training ranks, made first where the set is new: a collective, on every rank.
+
+        Args:
+            batch_sizes: every rank's size at the step.
+            timeout: how long a collective on a group made now may wait for its members (the
+                strategy's ``timeout``); ``None``: torch's default (30 minutes with gloo).
+
+        Returns:
+            The group on a rank that trains; ``None`` on a rank that sits out, and where every rank
+            trains (the default group serves).
+        """
+        if min(batch_sizes) > 0:
+            return None
+        key = self._key(batch_sizes, timeout)
+        if key in self._groups:
+            self._groups.move_to_end(key)
+        else:
+            while len(self._groups) >= self.capacity:
+                _retire(self._groups.popitem(last=False)[1])
+            self._groups[key] = dist.new_group(list(key[0]), timeout=timeout)
+            self.created += 1
+        group = self._groups[key]
+        return None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+
+    def group(self, batch_sizes: Sequence[int], timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+        """The group :meth:`prepare` made for these sizes and timeout (``None`` where every rank trains).
+
+        No collective: call it on the ranks that train, after every rank prepared the step.
+
+        Raises:
+            RuntimeError: where this rank has no group prepared for that set of ranks.
+        """
+        if min(batch_sizes) > 0:
+            return None
+        key = self._key(batch_sizes, timeout)
+        group = self._groups.get(key)
+        if group is None or group == dist.GroupMember.NON_GROUP_MEMBER:
+            raise RuntimeError(
+                f"rank {dist.get_rank()} has no process group prepared for the training ranks {list(key[0])}:"
+                " every rank calls TrainingRanksGroups.prepare() with the step's sizes before the ranks that"
+                " train use their group"
+            )
+        return group
+
+
+def _retire(group: Any) -> None:
+    if group == dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    # a member may still be finishing its last collective on the group; destroyed under it, the
+    # connections another member still reads from would close
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+
+
+_process_groups = TrainingRanksGroups()
+
+
+def training_ranks_groups() -> TrainingRanksGroups:
+    """This process's :class:`TrainingRanksGroups`: every strategy and loop of the process shares it."""
+    return _process_groups
 
 
 def can_leave_gradient_sync(model: DistributedDataParallel) -> bool:

@@ -71,7 +71,7 @@ from lightning_dynamix.distributed import (
     let_backend_threads_finish,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
-    training_ranks_group,
+    training_ranks_groups,
     validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
@@ -79,6 +79,7 @@ from lightning_dynamix.distributed import (
 )
 from lightning_dynamix.elastic import ResumeWeights, resume_sampler
 from lightning_dynamix.metrics.timers import StepClock
+from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
 
 GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
 
@@ -399,6 +400,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._stale.clear()
+        trainer = self.lightning_module.trainer
+        if self.min_batch_size == 0 and not any(isinstance(c, EpochMetricsAgreement) for c in trainer.callbacks):
+            # a rank that sits out logs nothing from training_step: the epoch's reductions must still pair up
+            trainer.callbacks.insert(0, EpochMetricsAgreement())
         combined = self.lightning_module.trainer.fit_loop._combined_loader
         if combined is not None and len(combined.flattened) != 1:
             raise MisconfigurationException(
@@ -418,6 +423,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._left_step = False
         if loader is not None and loader.current_step >= 0 and isinstance(self.model, DistributedDataParallel):
             sizes = loader.current_batch_sizes
+            # every rank, those that sit out too, agrees on the group of the ranks that train, before they use it
+            group = training_ranks_groups().prepare(sizes, self._timeout)
             out = self._ranks_leaving(sizes)
             if self._stale - out:  # a rank that skipped steps trains again: it needs the others' state first
                 self._sync_stale_ranks()
@@ -425,7 +432,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if loader.sits_out:
                 return self._loss_without_samples(left=self.global_rank in out)
             # the ranks that train all-reduce among themselves while others are away
-            self._hook_state.process_group = training_ranks_group(sizes) if out else None
+            self._hook_state.process_group = group if out else None
         self._in_training_step = True
         try:
             return super().training_step(*args, **kwargs)
@@ -549,6 +556,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         distributed = dist.is_available() and dist.is_initialized()
+        if distributed and isinstance(tensor, Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
+            # Lightning averages an integer tensor in place, truncating: the samples behind an epoch-level mean
+            # (uneven over the ranks, 150 over 4) would count 37 a rank, 148 in all, and the mean come out 1.4% high
+            summed = super().reduce(tensor, group=group, reduce_op="sum")
+            return summed.double() / dist.get_world_size(group)  # in float64: exact for any count below 2**53
         if not (self._in_training_step and isinstance(tensor, Tensor) and distributed):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # inside training_step (self.log(..., sync_dist=True)) every rank waits here for the slowest
@@ -558,7 +570,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             sizes = loader.current_batch_sizes
             # ranks that sit this step out do not run training_step: the others reduce among themselves
             result = weighted_mean_all_reduce(
-                tensor, sizes[self.global_rank] / sum(sizes), group=training_ranks_group(sizes)
+                tensor, sizes[self.global_rank] / sum(sizes), group=training_ranks_groups().group(sizes, self._timeout)
             )
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)

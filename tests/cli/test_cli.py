@@ -278,6 +278,22 @@ def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_p
     }
 
 
+def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unknown_job(tmp_path):
+    # 3 ranks, the training rank moving every 4 steps: a new group of training ranks at each of the first moves
+    out = tmp_path / "sit.json"
+    printed = dynamix_here(
+        "bench", "sit-out", "--jobs", "rotate", "--hidden", "16", "--steps", "16", "--every", "4", "--rounds", "1",
+        "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert "rotate hidden 16" in printed
+    result = json.loads(out.read_text())
+    assert set(result["results"]) == {"rotate hidden 16"}
+    (step,) = result["results"]["rotate hidden 16"]["step_seconds"]
+    assert step > 0
+    refused = dynamix_here("bench", "sit-out", "--jobs", "everything", cwd=tmp_path, fails=True)
+    assert "unknown job 'everything'" in refused
+
+
 def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size(tmp_path):
     import torch
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Sequence
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.utils.data import TensorDataset
 
 from lightning_dynamix.control import Decision, GoodputController, PIDController, StaticController
@@ -15,6 +17,7 @@ from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, Hetero
 from lightning_dynamix.distributed import (
     BucketNorms,
     SyncWindowWeighting,
+    TrainingRanksGroups,
     WeightedAllReduceState,
     report_gradient_norms,
 )
@@ -247,3 +250,22 @@ def test_a_rank_that_sat_out_a_window_reports_no_gradient_norms_of_its_own():
     state.norms = BucketNorms([torch.tensor(1.0)], [torch.tensor(1.0)])
     report_gradient_norms(state, weighting, lambda *values: reported.append(values))
     assert [(own, total) for _, own, _, total in reported] == [(8, 8)]
+
+
+def test_the_groups_of_training_ranks_refuse_a_capacity_below_one():
+    with pytest.raises(ValueError, match="`capacity` must be an int >= 1, got 0"):
+        TrainingRanksGroups(capacity=0)
+
+
+def test_a_group_of_training_ranks_not_prepared_by_every_rank_is_an_error_naming_its_ranks(
+    isolated_process_group, tmp_path
+):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    groups = TrainingRanksGroups(capacity=1)
+    assert groups.prepare([3]) is None  # every rank trains: the default group serves
+    with pytest.raises(RuntimeError, match=r"has no process group prepared for the training ranks \[0\]"):
+        groups.group([2, 0])
+    group = groups.prepare([2, 0], timedelta(seconds=5))
+    assert groups.group([2, 0], timedelta(seconds=5)) is group
+    assert group.size() == 1
+    assert len(groups) == 1
