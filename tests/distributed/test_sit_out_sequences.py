@@ -167,6 +167,8 @@ def test_the_sitting_set_changing_on_three_and_four_ranks_trains_like_one_proces
     )  # fmt: skip
     check_like_one_process(job_helpers, results, "sgd", 1, num_samples=150, epochs=1)
     check_epoch_metrics(results, num_samples=150, epochs=1)
+    # the groups of training ranks wait for their members as long as the strategy's timeout says
+    assert all(r["group_timeouts"] == [TIMEOUT] for r in results)
     steps = len(results[0]["steps"])
     sitting = [frozenset(r for r, rank in enumerate(results) if not rank["steps"][k][2]) for k in range(steps)]
     seen = [s for k, s in enumerate(sitting) if s and (k == 0 or s != sitting[k - 1])]

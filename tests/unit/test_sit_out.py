@@ -269,3 +269,5 @@ def test_a_group_of_training_ranks_not_prepared_by_every_rank_is_an_error_naming
     assert groups.group([2, 0], timedelta(seconds=5)) is group
     assert group.size() == 1
     assert len(groups) == 1
+    # its collectives wait at most the timeout given (the strategy's), not torch's 30 minutes
+    assert group._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=5)

@@ -114,6 +114,13 @@ def lightning(
         "params": {k: v.detach().clone() for k, v in model.net.state_dict().items()},
         "groups_held": len(training_ranks_groups()),
         "groups_created": training_ranks_groups().created,
+        "group_timeouts": sorted(
+            {
+                group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                for group in training_ranks_groups()._groups.values()
+                if group != dist.GroupMember.NON_GROUP_MEMBER
+            }
+        ),
     }
 
 
