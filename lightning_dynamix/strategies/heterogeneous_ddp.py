@@ -556,12 +556,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         distributed = dist.is_available() and dist.is_initialized()
-        if distributed and isinstance(tensor, Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
-            # Lightning averages an integer tensor in place, truncating: the samples behind an epoch-level mean
-            # (uneven over the ranks, 150 over 4) would count 37 a rank, 148 in all, and the mean come out 1.4% high
-            summed = super().reduce(tensor, group=group, reduce_op="sum")
-            return summed.double() / dist.get_world_size(group)  # in float64: exact for any count below 2**53
         if not (self._in_training_step and isinstance(tensor, Tensor) and distributed):
+            if distributed and isinstance(tensor, Tensor) and not tensor.is_floating_point() and _is_mean(reduce_op):
+                # Lightning averages an integer in place, truncating: the samples behind an epoch-level mean
+                # (uneven over the ranks, 150 over 4) would count 37 a rank, 148 in all: the mean 1.4% high
+                summed = super().reduce(tensor, group=group, reduce_op="sum")
+                return summed.double() / dist.get_world_size(group)  # float64: exact for any count below 2**53
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # inside training_step (self.log(..., sync_dist=True)) every rank waits here for the slowest
         started = time.perf_counter()
