@@ -31,6 +31,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_int
 
 
@@ -185,8 +186,8 @@ def can_leave_gradient_sync(model: DistributedDataParallel) -> bool:
         not model.find_unused_parameters
         and not model.static_graph
         and not model.will_sync_module_buffers()
-        and not getattr(model, "_use_python_reducer", False)
-        and getattr(model, "_has_rebuilt_buckets", False)
+        and not _compat.ddp_uses_python_reducer(model)
+        and _compat.ddp_has_rebuilt_buckets(model)
     )
 
 

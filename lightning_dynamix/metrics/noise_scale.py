@@ -43,6 +43,8 @@ from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_dynamix import _compat
+
 _Number = float | int | Tensor
 
 # the per-interval state is one tensor, so a distributed sync is one all-gather; its entries, each summed over
@@ -244,5 +246,6 @@ class GradientNoiseScale(Metric):
         if "sums" not in excluded:
             dtype = _state_dtype(this.device)
             this.sums = this.sums.to(device=this.device, dtype=dtype)
-            this._defaults["sums"] = this._defaults["sums"].to(device=this.device, dtype=dtype)
+            defaults = _compat.metric_state_defaults(this)
+            defaults["sums"] = defaults["sums"].to(device=this.device, dtype=dtype)
         return this

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_dynamix import _compat
 from lightning_dynamix.metrics.state import ClusterState
 from lightning_dynamix.rl.env import DynamixEnv, RewardWeights, oscillation
 from lightning_dynamix.rl.policy import RankPolicyNetwork, padded_observation
@@ -112,7 +113,7 @@ class OnlineFinetuner:
             device="cpu",
         )
         self.model.set_logger(silent_logger())
-        self.model._current_progress_remaining = 1.0  # constant schedules: learn() would set it
+        _compat.set_progress_remaining(self.model, 1.0)  # constant schedules: learn() would set it
         self.model.policy.network = network  # the controller's network: updates reach it at once
         self.model.policy.optimizer = self.model.policy.optimizer_class(
             network.parameters(), lr=learning_rate, **self.model.policy.optimizer_kwargs

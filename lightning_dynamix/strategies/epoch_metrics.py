@@ -19,8 +19,8 @@ mean over 0 samples, a sum of 0, a maximum of -inf, a minimum of +inf, an untouc
 its part of the reduction adds nothing, and every rank puts its metrics in one order (by name). The
 values are then those of the ranks that logged them, as in a job where no rank sat out.
 
-This reaches into Lightning's result collection (``trainer._results``), which Lightning keeps
-private: its layout is checked, and a change fails with a message naming the Lightning version.
+This reaches into Lightning's result collection, which Lightning keeps private, through
+:mod:`lightning_dynamix._compat`: a Lightning that changed it fails with a message naming its version.
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-try:  # Lightning's own record of logged values (private; see the module's docstring)
-    from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
-except ImportError:  # pragma: no cover - a Lightning that moved them
-    _Metadata = _ResultMetric = _Sync = None  # type: ignore[assignment,misc]
+from lightning_dynamix import _compat
 
 _NOTHING_ACCUMULATED = {"mean": 0.0, "sum": 0.0, "max": float("-inf"), "min": float("inf")}
 
@@ -62,16 +59,6 @@ class _Logged:
     rank_zero_only: bool
     is_tensor: bool
     value_dtype: torch.dtype | None  # of the accumulated value: the default dtype where it was logged ("64-true")
-
-
-def _lightning_internals_or_fail() -> None:
-    if _ResultMetric is None:
-        raise RuntimeError(
-            "lightning-dynamix cannot reach the logged metrics of this Lightning version"
-            f" ({pl.__version__}): `lightning.pytorch.trainer.connectors.logger_connector.result` has no"
-            " `_ResultMetric`; it was tested with Lightning 2.5 and 2.6. Ranks that sit out (min_batch_size=0)"
-            " need it to reduce epoch-level metrics."
-        )
 
 
 def _reduced_at_epoch_end(metric: Any) -> bool:
@@ -109,6 +96,7 @@ def _describe(key: str, metric: Any) -> _Logged:
 def _with_nothing_accumulated(trainer: pl.Trainer, logged: _Logged, metric: Any | None) -> Any:
     """``metric`` (made from ``logged`` where ``None``) as a rank holds it that logged nothing for it this epoch."""
     if metric is None:
+        _Metadata, _ResultMetric, _Sync = _compat.result_metric_types()
         not_metadata = ("key", "sync_dist", "rank_zero_only", "is_tensor", "value_dtype")
         fields = {k: v for k, v in asdict(logged).items() if k not in not_metadata}
         meta = _Metadata(**fields)
@@ -145,8 +133,7 @@ def agree_on_epoch_metrics(trainer: pl.Trainer) -> None:
 
     A collective: call it on every rank at the end of a training epoch (see the module's docstring).
     """
-    _lightning_internals_or_fail()
-    results = trainer._results
+    results = _compat.logged_results(trainer)
     if results is None or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
     valid = dict(results.valid_items())  # what Lightning would reduce now

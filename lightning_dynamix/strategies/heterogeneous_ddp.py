@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -57,6 +56,7 @@ from torch.utils.data import (
 )
 from typing_extensions import override
 
+from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
@@ -369,19 +369,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if loader is None or module is None:
             return
         trainer = module.trainer
-        fit_loop = trainer.fit_loop
-        combined = fit_loop._combined_loader
-        if combined is None or not any(dl is loader for dl in combined.flattened):
-            return
-        num_batches = _parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
-        combined.limits = [num_batches]
-        fit_loop.max_batches = num_batches
-        fetcher = fit_loop._data_fetcher
-        if fetcher is not None and fetcher.length is not None:
-            fetcher.length = int(num_batches)
-            fetcher.done = fetcher.fetched >= fetcher.length
-        if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(trainer.val_check_interval, float):
-            trainer.val_check_batch = max(1, int(num_batches * trainer.val_check_interval))
+        num_batches = _compat.parse_num_batches(RunningStage.TRAINING, len(loader), trainer.limit_train_batches)
+        _compat.set_epoch_length(trainer, loader, num_batches)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -404,10 +393,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if self.min_batch_size == 0 and not any(isinstance(c, EpochMetricsAgreement) for c in trainer.callbacks):
             # a rank that sits out logs nothing from training_step: the epoch's reductions must still pair up
             trainer.callbacks.insert(0, EpochMetricsAgreement())
-        combined = self.lightning_module.trainer.fit_loop._combined_loader
-        if combined is not None and len(combined.flattened) != 1:
+        loaders = _compat.training_dataloaders(trainer)
+        if loaders is not None and len(loaders) != 1:
             raise MisconfigurationException(
-                f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(combined.flattened)};"
+                f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(loaders)};"
                 " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
             )
         if self.min_batch_size == 0 and not self.lightning_module.automatic_optimization:

@@ -49,7 +49,6 @@ from typing import Any
 
 import torch
 import torch.distributed.rpc as rpc
-import torch.distributed.rpc.api as rpc_api
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -58,6 +57,7 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.data import EmptyBatch, HeterogeneousDataLoader
 from lightning_dynamix.data.loader import iterate_ahead
@@ -768,11 +768,7 @@ def _forget_earlier_rpc_groups() -> None:
     # all-gathers (by the set of worker names). The servers are new processes at every fit, so a
     # trainer's second fit would wait for keys and sequence numbers they never write. The earlier
     # group is shut down and each fit meets at a store of its own: counting from zero is safe.
-    with rpc._init_counter_lock:
-        rpc._init_counter = 0
-    with rpc_api._all_gather_dict_lock:
-        rpc_api._all_gather_sequence_id.clear()
-        rpc_api._all_gather_sequence_id_to_states.clear()
+    _compat.reset_rpc_counters()
 
 
 def _free_port() -> int:

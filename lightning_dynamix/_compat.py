@@ -1,0 +1,156 @@
+"""Every private part of Lightning, torch, torchmetrics and stable-baselines3 the package relies on, in one place.
+
+A few things the package must do have no public API: tell Lightning's fit loop that an epoch's
+length changed, pad Lightning's logged results, reset torch RPC's per-process counters between fits,
+read whether DDP has rebuilt its gradient buckets, and so on. Each is reached through a function
+here, which checks that the private part exists and otherwise fails with a message naming it, the
+installed version and the versions the package was tested with (:data:`TESTED`, the bounds in
+``pyproject.toml``). Nothing else in the package touches another library's private attributes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+import torch
+
+TESTED = {"lightning": "2.6", "torch": "2.13", "torchmetrics": "1.9", "stable-baselines3": "2.9"}
+"""The versions of each library (major.minor) the package's private uses were tested with."""
+
+
+def _installed(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - the package imports it
+        return "not installed"
+
+
+class UnsupportedVersionError(RuntimeError):
+    """A library no longer has a private part the package relies on (a version newer than those tested)."""
+
+
+def _missing(package: str, what: str, why: str) -> UnsupportedVersionError:
+    return UnsupportedVersionError(
+        f"lightning-dynamix needs {what} to {why}, and {package} {_installed(package)} does not have it; it was"
+        f" tested with {package} {TESTED[package]}. Install a {package} version within the bounds of"
+        " lightning-dynamix's requirements."
+    )
+
+
+def _attribute(obj: Any, name: str, package: str, why: str) -> Any:
+    if not hasattr(obj, name):
+        raise _missing(package, f"`{type(obj).__name__}.{name}`", why)
+    return getattr(obj, name)
+
+
+# --------------------------------------------------------------------------------------------- Lightning
+
+
+def parse_num_batches(stage: Any, length: int | float, limit: int | float) -> int | float:
+    """Lightning's own count of an epoch's batches for a DataLoader of ``length`` under ``limit_*_batches``."""
+    try:
+        from lightning.pytorch.trainer.connectors.data_connector import _parse_num_batches
+    except ImportError as error:
+        raise _missing("lightning", "`_parse_num_batches`", "count an epoch's batches after a resize") from error
+    return _parse_num_batches(stage, length, limit)
+
+
+def set_epoch_length(trainer: Any, loader: Any, num_batches: int | float) -> bool:
+    """Tell ``trainer``'s fit loop that the epoch of training DataLoader ``loader`` now has ``num_batches`` batches.
+
+    Returns False (and changes nothing) where the fit loop is not iterating ``loader``.
+    """
+    why = "tell Lightning's fit loop that an epoch's length changed"
+    fit_loop = trainer.fit_loop
+    combined = _attribute(fit_loop, "_combined_loader", "lightning", why)
+    if combined is None or not any(dl is loader for dl in combined.flattened):
+        return False
+    combined.limits = [num_batches]
+    fit_loop.max_batches = num_batches
+    fetcher = _attribute(fit_loop, "_data_fetcher", "lightning", why)
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = int(num_batches)
+        fetcher.done = fetcher.fetched >= fetcher.length
+    # a validation interval given as a fraction of the epoch follows its length (not one given in time)
+    if getattr(trainer, "_val_check_time_interval", None) is None and isinstance(trainer.val_check_interval, float):
+        trainer.val_check_batch = max(1, int(num_batches * trainer.val_check_interval))
+    return True
+
+
+def training_dataloaders(trainer: Any) -> list[Any] | None:
+    """The training DataLoaders ``trainer``'s fit loop iterates; ``None`` before it has them."""
+    combined = _attribute(trainer.fit_loop, "_combined_loader", "lightning", "count the training DataLoaders")
+    return None if combined is None else list(combined.flattened)
+
+
+def logged_results(trainer: Any) -> Any:
+    """``trainer``'s collection of the values logged in the running stage (Lightning's ``_ResultCollection``)."""
+    return _attribute(trainer, "_results", "lightning", "reduce epoch-level metrics of ranks that sat out")
+
+
+def result_metric_types() -> tuple[type, type, type]:
+    """Lightning's ``_Metadata``, ``_ResultMetric`` and ``_Sync``: what a logged value is made of."""
+    try:
+        from lightning.pytorch.trainer.connectors.logger_connector.result import _Metadata, _ResultMetric, _Sync
+    except ImportError as error:
+        raise _missing(
+            "lightning", "`_ResultMetric`, `_Metadata` and `_Sync`", "reduce epoch-level metrics of ranks that sat out"
+        ) from error
+    return _Metadata, _ResultMetric, _Sync
+
+
+# ------------------------------------------------------------------------------------------------- torch
+
+
+def ddp_has_rebuilt_buckets(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP rebuilt its gradient buckets (a collective it makes once, in its second forward)."""
+    return bool(_attribute(model, "_has_rebuilt_buckets", "torch", "know when a rank may leave the all-reduce"))
+
+
+def ddp_uses_python_reducer(model: torch.nn.parallel.DistributedDataParallel) -> bool:
+    """Whether DDP reduces in Python (compiled autograd), whose collectives every rank must join."""
+    return bool(getattr(model, "_use_python_reducer", False))  # absent in versions without that reducer
+
+
+def reset_rpc_counters() -> None:
+    """Reset torch RPC's per-process count of ``init_rpc`` calls and of its all-gathers.
+
+    RPC names its rendezvous keys and all-gathers by those counts; a process that meets new peers at
+    a new store (a trainer's second fit, with servers started afresh) must count from zero again.
+    """
+    from torch.distributed import rpc
+    from torch.distributed.rpc import api as rpc_api
+
+    why = "start RPC again in a process that used it before"
+    lock = _attribute(rpc, "_init_counter_lock", "torch", why)
+    _attribute(rpc, "_init_counter", "torch", why)
+    with lock:
+        rpc._init_counter = 0
+    with _attribute(rpc_api, "_all_gather_dict_lock", "torch", why):
+        _attribute(rpc_api, "_all_gather_sequence_id", "torch", why).clear()
+        _attribute(rpc_api, "_all_gather_sequence_id_to_states", "torch", why).clear()
+
+
+def non_finite_check(tensors: list[torch.Tensor], found: torch.Tensor) -> None:
+    """Set ``found`` (a 0-d float tensor) above 0 where any of ``tensors`` holds an inf or a NaN.
+
+    The GradScaler's own fused check (unscaling by 1 leaves the tensors as they are): one pass over
+    all of them, without a wait per tensor on a GPU.
+    """
+    check = _attribute(torch, "_amp_foreach_non_finite_check_and_unscale_", "torch", "check gradients for inf/NaN")
+    check(tensors, found, torch.ones((), device=found.device))
+
+
+# -------------------------------------------------------------------------------- torchmetrics, SB3
+
+
+def metric_state_defaults(metric: Any) -> dict[str, Any]:
+    """A torchmetrics ``Metric``'s default values of its states (what ``reset()`` restores), by name."""
+    return _attribute(metric, "_defaults", "torchmetrics", "keep a metric state's dtype on reset")
+
+
+def set_progress_remaining(model: Any, value: float) -> None:
+    """Set a stable-baselines3 model's remaining training progress, which its schedules read."""
+    _attribute(model, "_current_progress_remaining", "stable-baselines3", "update a policy outside learn()")
+    model._current_progress_remaining = value
