@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Literal
 
@@ -19,19 +18,10 @@ from torchmetrics.classification import BinaryAUROC
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix._layers import mlp
 from lightning_dynamix.data.ctr import CRITEO_LIKE_TABLE_SIZES, CTRSample
 
 OptimizerName = Literal["sgd", "adagrad"]
-
-
-def _mlp(widths: Sequence[int], final_activation: bool) -> nn.Sequential:
-    """Linear layers through ``widths`` (input width first), ReLU between them and, if asked, after the last."""
-    layers: list[nn.Module] = []
-    for index, (width_in, width_out) in enumerate(itertools.pairwise(widths)):
-        layers.append(nn.Linear(width_in, width_out))
-        if final_activation or index < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
 
 
 class DotInteraction(nn.Module):
@@ -113,7 +103,7 @@ class DLRM(LightningModule):
         with torch.random.fork_rng(devices=[], enabled=seed is not None):
             if seed is not None:
                 torch.manual_seed(seed)
-            self.bottom_mlp = _mlp([num_dense, *bottom_mlp, embedding_dim], final_activation=True)
+            self.bottom_mlp = mlp([num_dense, *bottom_mlp, embedding_dim], final_activation=True)
             device = torch.device("meta") if meta_embeddings else None
             self.embeddings = nn.ModuleList(nn.Embedding(size, embedding_dim, device=device) for size in table_sizes)
             for table in self.embeddings if not meta_embeddings else ():
@@ -121,7 +111,7 @@ class DLRM(LightningModule):
                 bound = table.num_embeddings**-0.5
                 nn.init.uniform_(table.weight, -bound, bound)
             num_pairs = num_vectors * (num_vectors - 1) // 2
-            self.top_mlp = _mlp([embedding_dim + num_pairs, *top_mlp, 1], final_activation=False)
+            self.top_mlp = mlp([embedding_dim + num_pairs, *top_mlp, 1])
         self.interaction = DotInteraction(num_vectors)
         self.val_auc = BinaryAUROC()
         self.val_loss = MeanMetric()

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dynamix._checks import require_int
+from lightning_dynamix._layers import mlp
 
 
 class SyntheticClassificationDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -69,13 +70,7 @@ class SyntheticClassificationDataset(Dataset[tuple[torch.Tensor, torch.Tensor]])
 
 def make_mlp(num_features: int, hidden: int, num_classes: int) -> nn.Sequential:
     """The demo's network: two hidden ReLU layers of width ``hidden``."""
-    return nn.Sequential(
-        nn.Linear(num_features, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, num_classes),
-    )
+    return mlp([num_features, hidden, hidden, num_classes])
 
 
 class DemoClassifier(LightningModule):

@@ -40,6 +40,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix._layers import mlp
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerName = Literal["sgd", "adam"]
@@ -268,17 +269,6 @@ class ClassificationDataModule(LightningDataModule):
         )
 
 
-def _mlp(num_features: int, num_classes: int, hidden: int, depth: int) -> nn.Sequential:
-    """A ReLU multi-layer perceptron with ``depth`` hidden layers of width ``hidden``."""
-    layers: list[nn.Module] = []
-    width = num_features
-    for _ in range(depth):
-        layers += [nn.Linear(width, hidden), nn.ReLU()]
-        width = hidden
-    layers.append(nn.Linear(width, num_classes))
-    return nn.Sequential(*layers)
-
-
 class FeatureTransformer(nn.Module):
     """A transformer encoder classifier over the features taken as tokens of ``token_features`` each.
 
@@ -374,7 +364,7 @@ class ClassificationTask(LightningModule):
         def build() -> nn.Module:
             if architecture == "transformer":
                 return FeatureTransformer(num_features, num_classes, hidden, depth)
-            return _mlp(num_features, num_classes, hidden, depth)
+            return mlp([num_features, *[hidden] * depth, num_classes])
 
         if seed is None:
             self.network = build()

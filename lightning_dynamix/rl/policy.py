@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_dynamix._layers import mlp
 from lightning_dynamix.control.pid import PIDController
 from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES, ClusterState
 
@@ -120,10 +121,7 @@ def padded_observation(state: ClusterState, max_world_size: int) -> dict[str, np
 
 
 def _mlp(sizes: Sequence[int]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(len(sizes) - 1):
-        layers += [nn.Linear(sizes[i], sizes[i + 1]), nn.Tanh()]
-    return nn.Sequential(*layers)
+    return mlp(sizes, activation=nn.Tanh, final_activation=True)
 
 
 class RankPolicyNetwork(nn.Module):

@@ -261,3 +261,17 @@ def test_datamodule_rejects_bad_arguments(arguments: dict[str, Any], message: st
 def test_task_rejects_bad_arguments(arguments: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ClassificationTask(**arguments)
+
+
+def test_the_one_mlp_builder_makes_every_model_s_layers_and_refuses_bad_widths():
+    from torch import nn
+
+    from lightning_dynamix._layers import mlp
+
+    layers = mlp([4, 8, 3])
+    assert [type(m) for m in layers] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert [type(m) for m in mlp([4, 8], activation=nn.Tanh, final_activation=True)] == [nn.Linear, nn.Tanh]
+    with pytest.raises(ValueError, match=r"`widths` must be two or more ints >= 1 .* got \[4\]"):
+        mlp([4])
+    with pytest.raises(ValueError, match="got \\[4, 0\\]"):
+        mlp([4, 0])
