@@ -9,20 +9,28 @@ from __future__ import annotations
 import math
 
 
-def require_int(name: str, value: object, low: int) -> int:
-    """``value`` as an int >= ``low`` (bools are not ints here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{name}` must be an int >= {low}, got {value!r}")
+def require_int(name: str, value: object, low: int | None) -> int:
+    """``value`` as an int >= ``low`` (any int where ``low`` is None; bools are not ints here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise ValueError(f"`{name}` must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
     return value
 
 
-def require_optional_int(name: str, value: object, low: int, low_name: str | None = None) -> int | None:
-    """``None``, or ``value`` as an int >= ``low`` (``low_name``: the argument ``low`` comes from)."""
+def require_optional_int(name: str, value: object, low: int | None, low_name: str | None = None) -> int | None:
+    """``None``, or ``value`` as an int >= ``low`` (any int where ``low`` is None; ``low_name``: the argument
+    ``low`` comes from)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        bound = f"{low_name} ({low})" if low_name else str(low)
-        raise ValueError(f"`{name}` must be None or an int >= {bound}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        bound = "" if low is None else f" >= {low_name} ({low})" if low_name else f" >= {low}"
+        raise ValueError(f"`{name}` must be None or an int{bound}, got {value!r}")
+    return value
+
+
+def require_bool(name: str, value: object) -> bool:
+    """``value`` if it is True or False (not 0, 1 or a string)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}")
     return value
 
 

@@ -83,7 +83,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dynamix._checks import require_number
+from lightning_dynamix._checks import require_bool, require_number
 from lightning_dynamix.control.allocation import (
     arrival_times,
     proportional_fill,
@@ -234,8 +234,7 @@ class PIDController:
             max_change = require_number("max_change", max_change, 0.0, math.inf, low_open=True, high_open=True)
         self.max_change = max_change
         self.lr_scaling = validate_lr_scaling(lr_scaling)
-        if not isinstance(adaptive_gain, bool):
-            raise ValueError(f"`adaptive_gain` must be True or False, got {adaptive_gain!r}.")
+        require_bool("adaptive_gain", adaptive_gain)
         self.adaptive_gain = adaptive_gain
         self._speeds: list[float] | None = None
         self._speed_sizes: list[int] = []

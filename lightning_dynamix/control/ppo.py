@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dynamix._checks import require_number
+from lightning_dynamix._checks import require_bool, require_number
 from lightning_dynamix.control.allocation import (
     resolve_bounds,
     split_in_proportion,
@@ -103,14 +103,11 @@ class PPOController:
         keep_global_batch: bool = False,
         fallback_tolerance: float | None = 0.0,
     ) -> None:
-        if not isinstance(deterministic, bool):
-            raise ValueError(f"`deterministic` must be True or False, got {deterministic!r}")
-        if not isinstance(finetune, bool):
-            raise ValueError(f"`finetune` must be True or False, got {finetune!r}")
+        require_bool("deterministic", deterministic)
+        require_bool("finetune", finetune)
         if finetune_kwargs and not finetune:
             raise ValueError(f"`finetune_kwargs` {finetune_kwargs!r} given without finetune=True")
-        if not isinstance(keep_global_batch, bool):
-            raise ValueError(f"`keep_global_batch` must be True or False, got {keep_global_batch!r}")
+        require_bool("keep_global_batch", keep_global_batch)
         self.keep_global_batch = keep_global_batch
         if fallback_tolerance is not None:
             fallback_tolerance = require_number(

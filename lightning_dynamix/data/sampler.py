@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import IterableDataset, Sampler
 
+from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, split_exactly, validate_batch_sizes
 
 _STATE_VERSION = 2
@@ -60,8 +61,7 @@ class EpochPermutation(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the order of ``epoch``; every rank must use the same epoch."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"`epoch` must be an int >= 0, got {epoch!r}")
+        require_int("epoch", epoch, 0)
         changed = epoch != self.epoch
         self.epoch = epoch
         if changed and self._on_epoch_change is not None:
@@ -120,8 +120,7 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         rank = dist.get_rank() if rank is None else rank
         world_size = dist.get_world_size() if world_size is None else world_size
     for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"`{name}` must be an int, got {value!r}")
+        require_int(name, value, None)
     if world_size < 1:
         raise ValueError(f"`world_size` must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
@@ -172,8 +171,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"`data_source` has {num_samples} samples, fewer than one global batch: `batch_sizes`"
                 f" {list(sizes)} sum to {sum(sizes)}. Use smaller batch sizes or a larger dataset."
             )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an int, got {seed!r}")
+        require_int("seed", seed, None)
         self.num_samples = num_samples
         self.shuffle = bool(shuffle)
         self.seed = seed
@@ -283,9 +281,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}, more than the {self.num_samples}"
                 " samples of the dataset; the global batch must fit in the dataset."
             )
-        step = self._produced if from_step is None else from_step
-        if isinstance(step, bool) or not isinstance(step, int):
-            raise ValueError(f"`from_step` must be an int or None, got {from_step!r}")
+        step = self._produced if require_optional_int("from_step", from_step, None) is None else from_step
         if step < self._produced:
             raise ValueError(
                 f"`from_step`={step} was already produced: steps before {self._produced} are fixed."

@@ -260,8 +260,7 @@ class DynamixAccelerate:
                 max_batch_size=self.max_batch_size,
             )
         self.loss_reduction = validate_loss_reduction(loss_reduction)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an int, got {seed!r}")
+        require_int("seed", seed, None)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
         self.hook_state = WeightedAllReduceState()
         self.model: DistributedDataParallel | None = None

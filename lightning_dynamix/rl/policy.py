@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_dynamix._checks import require_int
 from lightning_dynamix._layers import mlp
 from lightning_dynamix.control.pid import PIDController
 from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES, ClusterState
@@ -139,10 +140,8 @@ class RankPolicyNetwork(nn.Module):
 
     def __init__(self, hidden: int = 64, layers: int = 2) -> None:
         super().__init__()
-        if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
-            raise ValueError(f"`hidden` must be an int >= 1, got {hidden!r}")
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"`layers` must be an int >= 1, got {layers!r}")
+        require_int("hidden", hidden, 1)
+        require_int("layers", layers, 1)
         self.hidden, self.layers = hidden, layers
         local, cluster = len(LOCAL_FEATURES), len(GLOBAL_FEATURES)
         rank_input = 3 * local + cluster

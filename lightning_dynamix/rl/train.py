@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix._checks import require_bool, require_int, require_number
 from lightning_dynamix.rl.env import DynamixEnv, RewardWeights
 from lightning_dynamix.rl.evaluate import compare, controller_factory, summarize
 from lightning_dynamix.rl.files import PolicyFile, load_policy, save_policy
@@ -103,8 +103,7 @@ class TrainingConfig:
         require_number("gae_lambda", self.gae_lambda, 0.0, 1.0, high_open=False)
         require_number("ent_coef", self.ent_coef, 0.0)
         require_number("clip_range", self.clip_range, 0.0, low_open=True)
-        if not isinstance(self.subprocesses, bool):
-            raise ValueError(f"`subprocesses` must be True or False, got {self.subprocesses!r}")
+        require_bool("subprocesses", self.subprocesses)
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ValueError(f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if max(self.scenario_space.world_sizes) > self.max_world_size:

@@ -150,8 +150,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         require_optional_int(
             "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
         )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an int, got {seed!r}")
+        require_int("seed", seed, None)
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size
         self._batch_sizes: BatchSizes | None = None
@@ -258,8 +257,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             ValueError: for invalid sizes, a step already produced, or ranks that disagree.
         """
         sizes = self._validate_sizes(batch_sizes, world_size=self.world_size if self._train_loader else None)
-        if from_step is not None and (isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0):
-            raise ValueError(f"`from_step` must be None or an int >= 0, got {from_step!r}")
+        require_optional_int("from_step", from_step, 0)
         loader = self._train_loader
         if loader is None:
             self._batch_sizes = sizes
