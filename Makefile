@@ -1,5 +1,5 @@
 # Every target sets up .venv first (scripts/setup-venv.sh; a no-op once done).
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test test-fast lint bench
 
 setup:
 	@bash scripts/setup-venv.sh
@@ -11,6 +11,11 @@ test: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -q
+
+# the inner loop: every module's unit tests, without the multi-process and end-to-end ones (make test runs all)
+test-fast: setup
+	.venv/bin/ruff check .
+	.venv/bin/python -m pytest -q -m "not distributed and not e2e"
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .

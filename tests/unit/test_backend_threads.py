@@ -35,6 +35,7 @@ waiter.join()
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("group", "ran_before_fork"), [("group", 1), ("none", 0)])
 def test_a_fork_while_a_process_group_is_initialized_lets_woken_threads_run_first(group, ran_before_fork):
     forked = subprocess.run([sys.executable, "-c", _FORK, group], capture_output=True, text=True, timeout=120)

@@ -88,6 +88,7 @@ os._exit(0)  # killed, in effect: no clean-up
 """
 
 
+@pytest.mark.distributed
 def test_a_busy_process_ends_by_itself_when_its_launcher_is_gone_without_cleaning_up():
     core = sorted(os.sched_getaffinity(0))[-1]
     launcher = subprocess.run([sys.executable, "-c", _ORPHAN, str(core)], capture_output=True, text=True, check=True)
@@ -127,6 +128,7 @@ def _cgroup_rights() -> bool:
     return True
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(not _cgroup_rights(), reason="needs the cgroup v1 cpu controller and root")
 def test_a_quota_holds_a_rank_to_its_share_of_a_core_and_the_cgroups_are_removed_after():
     core = sorted(os.sched_getaffinity(0))[-1]
@@ -156,6 +158,7 @@ print(torch.get_num_threads())
 """
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(("mode", "threads"), [("emulate", 1), ("2", 2)])
 def test_a_rank_keeps_the_threads_its_place_gives_when_lightning_launches_it(mode, threads):
     # a lone rank would otherwise get every core, and the emulator's factors are per thread

@@ -193,6 +193,7 @@ def test_dlrm_optimizer_is_chosen_by_name(optimizer: str) -> None:
     assert configured.param_groups[0]["lr"] == 0.123
 
 
+@pytest.mark.e2e
 def test_dlrm_learns_clicks_well_above_chance() -> None:
     # one epoch of 256 steps; the teacher's own AUC on these samples is about 0.87, the model reaches about 0.77
     data = CTRDataModule(num_samples=65536, num_val_samples=8192, table_sizes=SMALL_TABLES, batch_size=256, seed=0)
@@ -212,6 +213,7 @@ def test_dlrm_learns_clicks_well_above_chance() -> None:
     assert float(trainer.callback_metrics["val_auc"]) > 0.7
 
 
+@pytest.mark.e2e
 def test_the_example_runs_from_its_yaml_config(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     command = [sys.executable, str(EXAMPLE), "fit", "--config", str(EXAMPLE.with_suffix(".yaml"))]

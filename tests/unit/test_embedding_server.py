@@ -190,6 +190,7 @@ def test_a_launched_server_starts_as_the_serve_command_without_importing_lightni
     assert "lightning_dynamix.offload.server" in proc.stderr
 
 
+@pytest.mark.e2e
 def test_a_server_whose_trainers_never_come_gives_up_after_its_timeout_and_says_where_it_waited():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -139,6 +139,7 @@ def test_models_that_cannot_be_offloaded_are_refused_before_any_server_starts(mo
         fit(model, **kwargs)
 
 
+@pytest.mark.e2e
 def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default():
     class WithIds(Model):
         def embedding_ids(self, batch):
@@ -185,6 +186,7 @@ def test_reading_ahead_is_refused_where_it_cannot_work_and_left_off_by_default()
     assert (sampler._produced, sampler.state_dict()["step"]) == (3, 2)  # a resumed run trains the third batch read
 
 
+@pytest.mark.e2e
 def test_servers_that_never_come_fail_the_fit_after_the_strategy_s_timeout_with_how_to_start_them():
     port = unused_port()  # no server listens there, and none is started
     message = (

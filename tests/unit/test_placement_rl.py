@@ -57,12 +57,14 @@ def gaps(scheduler: RLScheduler, samples: int, search: int = 0) -> list[float]:
     return found
 
 
+@pytest.mark.e2e
 def test_after_a_short_training_rl_is_within_five_percent_of_the_optimum(trained):
     found = gaps(trained, samples=32)
     assert statistics.median(found) <= 0.05
     assert sum(g <= 0.05 for g in found) >= 0.8 * len(found)
 
 
+@pytest.mark.e2e
 def test_training_is_what_makes_the_policys_own_choice_good(trained):
     untrained = RLScheduler(_new_ppo(PlacementEnv([random_problem(0, 2, 2)]), seed=0).policy)
     within = [sum(g <= 0.05 for g in gaps(s, samples=0)) for s in (trained, untrained)]
@@ -86,6 +88,7 @@ def test_active_search_finds_the_optimum_the_shipped_policy_alone_misses_and_lea
         solve_rl(model, shipped, search=-1)
 
 
+@pytest.mark.e2e
 def test_a_saved_scheduler_decides_the_same_and_continues_training(trained, tmp_path, monkeypatch):
     path = trained.save(tmp_path / "scheduler.safetensors")
     loaded = load_rl_scheduler(path)

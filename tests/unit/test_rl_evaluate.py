@@ -11,6 +11,7 @@ from lightning_dynamix.rl.evaluate import OracleController, run_controller, samp
 from tests.unit.test_rl_simulator import two_ranks
 
 
+@pytest.mark.e2e
 def test_the_oracle_reaches_the_target_sooner_than_pid_and_static_with_a_sudden_slowdown():
     # rank 1 is 3x slower, and either rank may slow down 2-4x for a while: the oracle sees it at once
     scenario = two_ranks(

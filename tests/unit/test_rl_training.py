@@ -45,6 +45,7 @@ def mean_reward(act, episodes: int = 2) -> float:
     return float(np.mean(rewards))
 
 
+@pytest.mark.e2e
 def test_a_short_ppo_training_run_beats_random_and_the_pid_balancer_alone_on_a_fixed_scenario():
     torch.set_num_threads(1)
     env = DynamixEnv(SCENARIO, max_world_size=4, episode_intervals=16, seed=0)
