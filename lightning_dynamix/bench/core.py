@@ -13,7 +13,6 @@ import json
 import os
 import platform
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -38,6 +37,7 @@ from lightning_dynamix import (
 )
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data.synthetic import DemoClassifier, make_mlp
+from lightning_dynamix.distributed import free_port
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.system import CpuQuota
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
@@ -341,9 +341,7 @@ def _hook_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> 
 
 def run_hook(args: argparse.Namespace) -> None:
     """Forward + backward with DDP's built-in reduction against the weighted hook, interleaved."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     mp.start_processes(_hook_worker, args=(args, port, queue), nprocs=args.devices, start_method="spawn")

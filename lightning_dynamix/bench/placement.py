@@ -26,12 +26,12 @@ from lightning_dynamix.placement import (
     best_throughput,
     load_catalogue,
     profile_model,
-    profile_runner,
     solve_dp,
     solve_greedy,
 )
 from lightning_dynamix.placement.random_chains import random_problem
 from lightning_dynamix.placement.rl import SEARCH_ROUNDS, RLScheduler, load_rl_scheduler, solve_rl
+from lightning_dynamix.strategies.layer_offload import profile_runner
 
 HELD_OUT = 10_000_000  # training problems draw their seeds below 2**31 at random; these are fixed
 DLRM_FRACTIONS = (0.1, 0.25, 0.5, 0.75, 0.95)  # of the most the catalogue reaches

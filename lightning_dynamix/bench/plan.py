@@ -1,7 +1,7 @@
 """``dynamix bench plan``: a placement plan's predicted throughput against the plan run with LayerOffloadStrategy.
 
 The DLRM example is profiled on this machine: its layers, and what a step of the strategy pays outside
-them (:func:`~lightning_dynamix.placement.profile_runner`), which the plan's stages include. The
+them (:func:`~lightning_dynamix.strategies.layer_offload.profile_runner`), which the plan's stages include. The
 trainer uses the same intra-op threads when profiled and when it trains: this machine's cores less
 one per server, as the strategy leaves them to the servers it launches. For each number of embedding
 servers, a catalogue describes this machine as two resource types: ``trainer`` (one unit, memory for the dense layers
@@ -42,10 +42,10 @@ from lightning_dynamix.bench.core import _config, _machine
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
-from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model, profile_runner
+from lightning_dynamix.placement import CostModel, PlacementPlan, ResourceType, profile_model
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS
 from lightning_dynamix.strategies import LayerOffloadStrategy
-from lightning_dynamix.strategies.layer_offload import threads_beside_servers
+from lightning_dynamix.strategies.layer_offload import profile_runner, threads_beside_servers
 
 GIB = 2**30
 

@@ -27,12 +27,12 @@ from lightning_dynamix.placement import (
     load_catalogue,
     placement_margin,
     profile_model,
-    profile_runner,
     solve_dp,
     solve_greedy,
 )
 from lightning_dynamix.placement.profile import DEFAULT_REPEATS, layer_names
 from lightning_dynamix.placement.rl import SEARCH_ROUNDS, load_rl_scheduler, solve_rl
+from lightning_dynamix.strategies.layer_offload import profile_runner
 
 SOLVERS = ("dp", "greedy", "rl")
 

@@ -9,6 +9,7 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
+from lightning_dynamix.distributed.ports import free_port
 from lightning_dynamix.distributed.sit_out import (
     MAX_TRAINING_GROUPS,
     TrainingRanksGroups,
@@ -34,6 +35,7 @@ __all__ = [
     "broadcast_floats",
     "broadcast_training_state",
     "can_leave_gradient_sync",
+    "free_port",
     "gather_floats",
     "gather_ints",
     "let_backend_threads_finish",

@@ -16,7 +16,6 @@ from lightning_dynamix.placement.profile import (
     available_devices,
     profile_model,
 )
-from lightning_dynamix.placement.runner import profile_runner
 from lightning_dynamix.placement.solvers import (
     Margin,
     best_throughput,
@@ -41,7 +40,6 @@ __all__ = [
     "load_catalogue",
     "placement_margin",
     "profile_model",
-    "profile_runner",
     "solve_brute_force",
     "solve_dp",
     "solve_greedy",

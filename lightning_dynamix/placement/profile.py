@@ -158,7 +158,8 @@ class ModelProfile:
         step_seconds: per device type, one whole forward+backward pass per sample, timed as a whole.
         step_spread: per device type, the spread of the whole pass's samples (as a layer's ``spread``).
         runner: what a step of LayerOffloadStrategy pays outside the layers
-            (:func:`~lightning_dynamix.placement.runner.profile_runner`), or None when not measured.
+            (:func:`~lightning_dynamix.strategies.layer_offload.profile_runner`, beside the strategy), or None
+            when not measured.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -262,7 +263,17 @@ def default_forward(module: nn.Module, batch: Any) -> Tensor:
 
 
 @dataclass
-class _Call:
+class LayerCall:
+    """A leaf module's calls in one forward pass, as :func:`record_layer_calls` recorded them.
+
+    Attributes:
+        name: its name in the model (as in ``named_modules()``).
+        module: the module.
+        inputs: the inputs of its first call, detached copies.
+        output: the output of its first call, detached.
+        calls: how many times the forward pass called it.
+    """
+
     name: str
     module: nn.Module
     inputs: tuple[Any, ...]
@@ -301,15 +312,15 @@ def profile_model(
     require_int("repeats", repeats, 1)
     require_int("warmup", warmup, 0)
     forward = forward or default_forward
-    batch_size = _batch_size(example_batch)
-    calls = _record_calls(module, example_batch, forward)
+    batch_size = batch_size_of(example_batch)
+    calls = record_layer_calls(module, example_batch, forward)
     if not calls:
         raise ValueError(f"{type(module).__name__} called no leaf module on the example batch: nothing to profile")
     # per device: every layer's pass, and the whole step's last, timed together in rounds
     timed = {}
     for device in devices:
         passes = [_layer_pass(call, device) for call in calls] + [_step_pass(module, example_batch, forward, device)]
-        timed[device] = _timed(passes, device, repeats, warmup)
+        timed[device] = time_passes(passes, device, repeats, warmup)
     layers = []
     for index, call in enumerate(calls):
         layers.append(
@@ -331,10 +342,15 @@ def profile_model(
 def layer_names(module: nn.Module, example_batch: Any, forward: Forward | None = None) -> tuple[str, ...]:
     """The layers :func:`profile_model` would time, in execution order (one forward and backward pass, untimed):
     what a saved profile must list to be planned for ``module``."""
-    return tuple(call.name for call in _record_calls(module, example_batch, forward or default_forward))
+    return tuple(call.name for call in record_layer_calls(module, example_batch, forward or default_forward))
 
 
-def _batch_size(batch: Any) -> int:
+def batch_size_of(batch: Any) -> int:
+    """Samples in ``batch``: the length of its first tensor with a batch dimension (in tuples, lists and dicts).
+
+    Raises:
+        ValueError: for a batch with no such tensor.
+    """
     tensors = [t for t in _flatten(batch) if isinstance(t, Tensor) and t.dim() > 0]
     if not tensors:
         raise ValueError(f"`example_batch` holds no tensor with a batch dimension: {type(batch).__name__}")
@@ -349,8 +365,15 @@ def _flatten(value: Any) -> list[Any]:
     return [value]
 
 
-def _record_calls(module: nn.Module, batch: Any, forward: Forward) -> list[_Call]:
-    calls: dict[int, _Call] = {}
+def record_layer_calls(module: nn.Module, batch: Any, forward: Forward) -> list[LayerCall]:
+    """The leaf modules of ``module`` that one forward pass of ``forward(module, batch)`` calls, in the order it
+    first calls them, with their inputs and outputs (a module whose output is not one tensor is left out). The
+    pass runs backward too (and its gradients are cleared), so that a model that cannot train fails here.
+
+    Raises:
+        ValueError: for a model that cannot run a forward and backward pass on ``batch``, with the error it raised.
+    """
+    calls: dict[int, LayerCall] = {}
     names = {id(m): name for name, m in module.named_modules()}
 
     def record(leaf: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
@@ -361,7 +384,7 @@ def _record_calls(module: nn.Module, batch: Any, forward: Forward) -> list[_Call
             calls[key].calls += 1
         else:
             kept = tuple(_kept(x) for x in inputs)
-            calls[key] = _Call(names[key], leaf, kept, output.detach())
+            calls[key] = LayerCall(names[key], leaf, kept, output.detach())
 
     leaves = [m for m in module.modules() if not list(m.children())]
     handles = [leaf.register_forward_hook(record) for leaf in leaves]
@@ -384,7 +407,7 @@ def _kept(value: Any) -> Any:
     return value.detach().clone().requires_grad_(value.requires_grad) if isinstance(value, Tensor) else value
 
 
-def _layer_pass(call: _Call, device: str) -> Callable[[], None]:
+def _layer_pass(call: LayerCall, device: str) -> Callable[[], None]:
     layer = copy.deepcopy(call.module).to(device)
     if isinstance(layer, SPARSE_TYPES) and _sparse_gradient_allowed(layer):
         # a table's step is its lookup and the gradient of the rows the batch touched (what an embedding
@@ -424,9 +447,11 @@ def _step_pass(module: nn.Module, batch: Any, forward: Forward, device: str) -> 
     return one_pass
 
 
-def _timed(passes: Sequence[Callable[[], None]], device: str, repeats: int, warmup: int) -> list[tuple[float, float]]:
-    """Seconds of one pass of each of ``passes``, the fastest of ``repeats`` rounds of one sample of each,
-    and the spread of its samples.
+def time_passes(
+    passes: Sequence[Callable[[], None]], device: str, repeats: int, warmup: int
+) -> list[tuple[float, float]]:
+    """Seconds of one pass of each of ``passes`` on ``device`` (``"cpu"`` or ``"cuda"``), the fastest of
+    ``repeats`` rounds of one sample of each, after ``warmup`` untimed passes, and the spread of its samples.
 
     A sample runs the pass back to back for :data:`MIN_SAMPLE_SECONDS` (on a GPU, queued without
     synchronising: synchronising after every pass would time the launch latency of small kernels, not

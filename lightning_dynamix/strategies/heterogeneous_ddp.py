@@ -210,6 +210,19 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         """This rank's step timeline, once :meth:`enable_step_clock` was called."""
         return self._step_clock
 
+    @property
+    def in_training_step(self) -> bool:
+        """Whether this rank is running the LightningModule's ``training_step`` now (a rank that sits the step out
+        does not run it)."""
+        return self._in_training_step
+
+    @property
+    def sync_weight(self) -> float:
+        """The factor the weighted all-reduce multiplied this rank's gradients by at its latest synchronisation
+        (1.0 before the first): the correction of its share of the global batch, which the loss's gradient
+        already carries, for the samples of the whole accumulation window."""
+        return self._hook_state.weight
+
     def enable_step_clock(self) -> StepClock:
         """Time every training step of this rank from now on (data, compute, sync wait, all-reduce).
 

@@ -7,7 +7,7 @@ waits for them, pushes the rows' gradients back, has them applied, and steps the
 
 * ``loader_seconds``: one batch read from the training DataLoader;
 * ``optimizer_seconds``: one step of the LightningModule's own optimiser over its dense parameters;
-* ``step_seconds``: the strategy's empty step, a real ``Trainer`` with ``LayerOffloadStrategy`` and
+* ``step_seconds``: the strategy's empty step, a real ``Trainer`` with :class:`LayerOffloadStrategy` and
   one embedding server training as many tables as the model has, of two rows each: Lightning's loop,
   one lookup and one push round trip, and what the trainer and the server pay per table, with next
   to no rows and no compute; ``request_seconds``: what a second server adds to it, of which
@@ -19,7 +19,9 @@ waits for them, pushes the rows' gradients back, has them applied, and steps the
   the model's tables, with the counterpart of its optimiser.
 
 :class:`~lightning_dynamix.placement.CostModel` adds them to the stages of a plan (see there), so a
-plan's throughput forecasts what the strategy measures, not only what its layers cost.
+plan's throughput forecasts what the strategy measures, not only what its layers cost. The terms are a
+:class:`~lightning_dynamix.placement.RunnerProfile`, plain data: the planner reads them without knowing the
+strategy, which is measured here, beside it.
 """
 
 from __future__ import annotations
@@ -34,17 +36,25 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
+from lightning_dynamix.offload import RowSGD, sparse_counterpart
+from lightning_dynamix.offload.server import EmbeddingServer, TableSpec
+from lightning_dynamix.offload.sharding import RowSharding, route_tables
+from lightning_dynamix.placement import RunnerProfile
 from lightning_dynamix.placement.profile import (
     SPARSE_TYPES,
     Forward,
-    RunnerProfile,
-    _batch_size,
-    _record_calls,
-    _timed,
+    LayerCall,
+    batch_size_of,
     default_forward,
+    record_layer_calls,
+    time_passes,
 )
+from lightning_dynamix.strategies.layer_offload.strategy import LayerOffloadStrategy
 
 _EMPTY_STEPS = 150  # steps of the empty-step run, of which the first
 _EMPTY_WARMUP = 20  # are not timed
@@ -57,12 +67,14 @@ def profile_runner(
     repeats: int = 10,
     trainer_threads: int | None = None,
 ) -> RunnerProfile:
-    """Measure :class:`RunnerProfile`'s terms for ``module`` trained on ``dataloader`` (on this machine's CPU).
+    """Measure the terms of a :class:`~lightning_dynamix.placement.RunnerProfile` for ``module`` trained on
+    ``dataloader``, on this machine's CPU.
 
     Args:
         module: the LightningModule (left as it was).
         dataloader: its training DataLoader; its first batch is the example batch.
-        forward: ``forward(module, batch) -> loss``; default :func:`~lightning_dynamix.placement.default_forward`.
+        forward: ``forward(module, batch) -> loss``; default
+            :func:`~lightning_dynamix.placement.profile.default_forward`.
         repeats: timed samples of each term measured by timing (the fastest is kept).
         trainer_threads: the strategy's ``trainer_threads`` for the empty step (None: its default).
 
@@ -75,17 +87,17 @@ def profile_runner(
         batch = next(batches)
     except StopIteration:
         raise ValueError("`dataloader` is empty: the runner's terms need at least one batch") from None
-    calls = [call for call in _record_calls(module, batch, forward) if isinstance(call.module, SPARSE_TYPES)]
+    calls = [call for call in record_layer_calls(module, batch, forward) if isinstance(call.module, SPARSE_TYPES)]
     if not calls:
         raise ValueError(f"{type(module).__name__} has no nn.Embedding or nn.EmbeddingBag: nothing is offloaded")
-    batch_size = _batch_size(batch)
+    batch_size = batch_size_of(batch)
     loader = _loader_seconds(dataloader)
     model = copy.deepcopy(module)  # its optimiser steps a copy: the module is left as it was
     configure = getattr(model, "configure_optimizers", None)
     optimizer = _first_optimizer(configure()) if configure is not None else None
     optimizer_pass = _optimizer_pass(model, optimizer, batch, forward)
     rows, trainer_pass, server_pass, per_table_pass = _rows_passes(calls, optimizer)
-    timed = _timed([optimizer_pass, trainer_pass, server_pass, per_table_pass], "cpu", repeats, warmup=2)
+    timed = time_passes([optimizer_pass, trainer_pass, server_pass, per_table_pass], "cpu", repeats, warmup=2)
     total_rows = max(sum(rows.values()), 1.0)
     dims = [call.module.embedding_dim for call in calls]
     one_server = _empty_step_seconds(dims, trainer_threads, 1)
@@ -144,14 +156,10 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer | None:
 
 
 def _rows_passes(
-    calls: list[Any], dense_optimizer: torch.optim.Optimizer | None
+    calls: list[LayerCall], dense_optimizer: torch.optim.Optimizer | None
 ) -> tuple[dict[str, float], Any, Any, Any]:
     """The distinct rows of the example batch per table, and one step of what the trainer and what a server
     do with them (the server's optimiser the counterpart of the module's ``dense_optimizer``)."""
-    from lightning_dynamix.offload import RowSGD, sparse_counterpart
-    from lightning_dynamix.offload.server import EmbeddingServer, TableSpec
-    from lightning_dynamix.offload.sharding import RowSharding, route_tables
-
     optimizer = RowSGD(lr=0.01)  # where the module's has no counterpart (the strategy refuses it), plain SGD
     if dense_optimizer is not None:
         with contextlib.suppress(ValueError):
@@ -200,11 +208,6 @@ def _rows_passes(
 def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: int = 1) -> float:
     """The lower quartile of the steps of a real Trainer with LayerOffloadStrategy and ``servers`` servers,
     training a model of tables with rows of ``dims`` values, of two rows each, both looked up at every step."""
-    from lightning.pytorch import LightningModule
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from lightning_dynamix.bench.timing import StepTimer, timed_trainer
-    from lightning_dynamix.strategies import LayerOffloadStrategy
 
     class TwoRows(LightningModule):
         def __init__(self) -> None:
@@ -221,7 +224,7 @@ def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: i
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    timer = StepTimer(warmup=_EMPTY_WARMUP)
+    timer = _StepTimes(warmup=_EMPTY_WARMUP)
     ids = torch.arange(2).repeat(_EMPTY_STEPS + 1)  # every batch: rows 0 and 1, on two servers, both
     loader = DataLoader(TensorDataset(ids), batch_size=2)
     loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
@@ -234,9 +237,50 @@ def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: i
             strategy = LayerOffloadStrategy(
                 num_embedding_servers=servers, trainer_threads=trainer_threads, return_embeddings=False
             )
-            timed_trainer(strategy, _EMPTY_STEPS, [timer]).fit(TwoRows(), loader)
+            _measuring_trainer(strategy, _EMPTY_STEPS, timer).fit(TwoRows(), loader)
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
     # the lower quartile: in 3 processes the median moved 4.68-5.39 ms, the quartile 4.63-4.77 ms
     return sorted(timer.step_seconds)[len(timer.step_seconds) // 4]
+
+
+class _StepTimes(Callback):
+    """Every training step's wall time, from one batch end to the next, after ``warmup`` steps (seconds)."""
+
+    # as the benchmarks' StepTimer times a step (lightning_dynamix.bench.timing); bench/ imports the strategies,
+    # so the strategies cannot import it back
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.step_seconds: list[float] = []
+        self._last: float | None = None
+        self._seen = 0
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        self._seen += 1
+        if self._last is not None and self._seen > self.warmup:
+            self.step_seconds.append(now - self._last)
+        self._last = now
+
+
+def _measuring_trainer(strategy: LayerOffloadStrategy, steps: int, timer: _StepTimes) -> Trainer:
+    """A Trainer for a measurement on the CPU: one device, ``steps`` training steps, and nothing else (no logger,
+    checkpoint, validation or progress bar)."""
+    return Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
