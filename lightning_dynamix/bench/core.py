@@ -1,8 +1,8 @@
 """``dynamix bench overhead`` and ``dynamix bench hook``, and what every benchmark records of its run.
 
 ``overhead`` sets HeterogeneousDDPStrategy with equal sizes against Lightning's ddp; ``hook`` the
-weighted all-reduce hook against DDP's built-in reduction. ``_machine`` and ``_config`` describe
-the machine and the arguments in each benchmark's JSON output.
+weighted all-reduce hook against DDP's built-in reduction. What every benchmark records of its run
+is :mod:`lightning_dynamix.bench.records`'s.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import random
 import statistics
 import tempfile
@@ -19,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import lightning
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -32,9 +30,9 @@ from lightning_dynamix import (
     DynamixCallback,
     PreemptionCheckpoint,
     WeightedAllReduceState,
-    __version__,
     weighted_allreduce_hook,
 )
+from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data.synthetic import DemoClassifier, make_mlp
 from lightning_dynamix.distributed import free_port
@@ -186,21 +184,6 @@ def _median_step(strategy: object, args: argparse.Namespace, extra_callbacks: li
     return max(t.median_step_seconds for t in timer.timings)
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-
-
-def _machine() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "processor": platform.processor() or platform.machine(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "lightning_dynamix": __version__,
-    }
-
-
 def bootstrap_median_interval(
     values: list[float], confidence: float = 0.95, resamples: int = 4000
 ) -> tuple[float, float]:
@@ -258,8 +241,8 @@ def run_overhead(args: argparse.Namespace) -> None:
         "ratios": ratios,
         "median_step_ms_ddp": 1e3 * statistics.median(plain_steps),
         "median_step_ms_heterogeneous_ddp": 1e3 * statistics.median(ours_steps),
-        "config": _config(args),
-        "machine": _machine(),
+        "config": arguments_record(args),
+        "machine": machine_description(),
     }
     print(
         f"\ndynamix bench overhead: {args.devices} processes (gloo, CPU), batch {args.batch_size} per rank,"
@@ -351,8 +334,8 @@ def run_hook(args: argparse.Namespace) -> None:
         "benchmark": "hook",
         "median_ms": {name: 1e3 * m for name, m in zip(_HOOK_VARIANTS, medians)},
         "ratio_to_builtin": {name: m / base for name, m in zip(_HOOK_VARIANTS, medians)},
-        "config": _config(args),
-        "machine": _machine(),
+        "config": arguments_record(args),
+        "machine": machine_description(),
     }
     print(
         f"\ndynamix bench hook: {args.devices} processes (gloo, CPU), forward + backward of an"

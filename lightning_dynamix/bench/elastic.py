@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.bench.cluster import LocalElasticCluster
-from lightning_dynamix.bench.core import _config, _machine
 from lightning_dynamix.bench.experiments import floats
+from lightning_dynamix.bench.records import arguments_record, machine_description
 
 SCENARIOS = {  # key on the command line: (name in the results, what the worker does on a change of nodes)
     "never": ("never preempted", None),
@@ -213,7 +213,12 @@ def run(args: argparse.Namespace) -> None:
             run_id = f"bench-elastic-{round_}-{key}-{time.time_ns()}"
             results[name].append(run_scenario(args, mode, out, run_id))
             print(f"round {round_ + 1}/{args.rounds}, {name}: {json.dumps(results[name][-1])}", flush=True)
-    summary = {"machine": _machine(), "config": _config(args), "workdir": str(workdir), "runs": results}
+    summary = {
+        "machine": machine_description(),
+        "config": arguments_record(args),
+        "workdir": str(workdir),
+        "runs": results,
+    }
     if args.output is not None:
         args.output.write_text(json.dumps(summary, indent=2))
     _print_table(results, args)

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning_dynamix.bench import contention
-from lightning_dynamix.bench.core import _machine
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.bench.plots import plot_runs
+from lightning_dynamix.bench.records import machine_description
 
 
 def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
@@ -340,7 +340,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         "controllers": table,
         "runs": {c: [r.intervals for r in results] for c, results in runs.items()},  # per controller, per round
         "config": dataclasses.asdict(config),
-        "machine": _machine(),
+        "machine": machine_description(),
     }
 
 
@@ -495,7 +495,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         "target_accuracy": args.target_accuracy,
         "controllers": table,
         "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},
-        "machine": _machine(),
+        "machine": machine_description(),
     }
     if args.plot is not None:
         plot_runs({c: rs[0] for c, rs in results.items() if rs}, args.plot, title="seed 0")

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
@@ -195,7 +195,11 @@ def run(args: argparse.Namespace) -> None:
     if args.probe_rows is not None:
         _probe(args)
         return
-    result: dict[str, Any] = {"benchmark": "offload", "config": _config(args), "machine": _machine()}
+    result: dict[str, Any] = {
+        "benchmark": "offload",
+        "config": arguments_record(args),
+        "machine": machine_description(),
+    }
     if not args.skip_speed:
         result["speed"] = _speed(args)
     device = "CPU" if args.accelerator == "cpu" else args.accelerator.upper()

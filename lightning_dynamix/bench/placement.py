@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.replan import CATALOGUE
 from lightning_dynamix.placement import (
     CostModel,
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> None:
             "dynamix bench placement: --samples must be >= 0 (>= 2 with --search, whose rounds draw that many)"
             f" and --search >= 0, got --samples {args.samples} and --search {args.search}"
         )
-    result = {"benchmark": "placement", "config": _config(args), "machine": _machine()}
+    result = {"benchmark": "placement", "config": arguments_record(args), "machine": machine_description()}
     result["against_exact"] = _gaps(args)
     result["dp_solve_time"] = _dp_time(args)
     if not args.skip_dlrm:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
@@ -168,8 +168,8 @@ def run(args: argparse.Namespace) -> None:
     dense_ms *= args.batch_size * 1e3
     result: dict[str, Any] = {
         "benchmark": "plan",
-        "config": _config(args),
-        "machine": _machine(),
+        "config": arguments_record(args),
+        "machine": machine_description(),
         "loopback_bytes_per_s": bandwidth,
         "trainer_threads": threads,
         "runner": None if profile.runner is None else profile.runner.to_dict(),

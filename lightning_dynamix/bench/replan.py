@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.bench.core import _config, _machine
+from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.placement import (
     CostModel,
     InfeasibleError,
@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> None:
         }
     result = {
         "benchmark": "replan",
-        "config": _config(args),
-        "machine": _machine(),
+        "config": arguments_record(args),
+        "machine": machine_description(),
         "profiles": [
             {
                 "step_ms": 1e3 * p.step_seconds["cpu"] * p.batch_size,

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Run every job ``--rounds`` times, interleaved, and print each one's medians."""
-    from lightning_dynamix.bench.core import _config, _machine
+    from lightning_dynamix.bench.records import arguments_record, machine_description
 
     widths = [int(h) for h in str(args.hidden).split(",")]
     jobs = [j.strip() for j in str(args.jobs).split(",")]
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> None:
             f" {args.batch_size / median:9,.0f} samples/s"
         )
     if args.output is not None:
-        record = {"machine": _machine(), "config": _config(args), "results": summary}
+        record = {"machine": machine_description(), "config": arguments_record(args), "results": summary}
         args.output.write_text(json.dumps(record, indent=2))
 
 
