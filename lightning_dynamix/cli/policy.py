@@ -82,7 +82,7 @@ def run_train(args: argparse.Namespace) -> None:
     print(f"training a policy ({args.preset}: {config.timesteps} intervals, up to {config.max_world_size} ranks)")
     start = None
     if args.init is not None:
-        from lightning_dynamix.rl.files import PolicyFileError
+        from lightning_dynamix.control.ppo.files import PolicyFileError
         from lightning_dynamix.rl.train import initial_policy
 
         try:

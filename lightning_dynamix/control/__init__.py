@@ -6,7 +6,8 @@
 * :class:`GoodputController` picks the global batch that maximises throughput x statistical
   efficiency (Pollux) and splits it so that every rank finishes together.
 * :class:`PPOController` runs a policy trained with PPO in the cluster simulator (DYNAMIX);
-  ``"ppo"`` loads the policy that ships with the package.
+  ``"ppo"`` loads the policy that ships with the package. :mod:`~lightning_dynamix.control.ppo` holds it
+  with all it runs: the policy network, policy files and online fine-tuning.
 
 :func:`make_controller` builds one by name (``"static"``, ``"pid"``, ``"goodput"``, ``"ppo"``), for configs and the
 command line; :mod:`~lightning_dynamix.control.lr_scaling` holds the learning-rate rules.

@@ -1,5 +1,8 @@
-"""Learned batch-size control (DYNAMIX): cluster simulator, gymnasium environment, PPO policy and its files.
+"""Learned batch-size control (DYNAMIX), trained in simulation: cluster simulator, gymnasium environment, PPO
+training, evaluation against the controllers, calibration of a scenario to a run's logs.
 
+What a real job runs (the policy network, policy files, online fine-tuning) is
+:mod:`lightning_dynamix.control.ppo`'s: this package imports it, never the other way round.
 Importing this package does not import stable-baselines3; only training a policy does.
 """
 

@@ -2,12 +2,12 @@
 
 Observation: :meth:`ClusterState.observation` of the simulated job (the very encoding a real job's
 callback produces), rank rows padded to ``max_world_size`` with a mask of the real ranks
-(:func:`~lightning_dynamix.rl.policy.padded_observation`).
+(:func:`~lightning_dynamix.control.ppo.network.padded_observation`).
 
-Action: ``1 + max_world_size`` indices into :data:`~lightning_dynamix.rl.policy.ADJUSTMENTS`
+Action: ``1 + max_world_size`` indices into :data:`~lightning_dynamix.control.ppo.network.ADJUSTMENTS`
 (-25%, -10%, keep, +10%, +25%): the job's, which scales the global batch, then one per rank, which
-moves that rank's size (:func:`~lightning_dynamix.rl.policy.apply_adjustments`). They apply to the
-sizes the balancer proposes (:func:`~lightning_dynamix.rl.policy.balancer`: the PID controller,
+moves that rank's size (:func:`~lightning_dynamix.control.ppo.network.apply_adjustments`). They apply to the
+sizes the balancer proposes (:func:`~lightning_dynamix.control.ppo.network.balancer`: the PID controller,
 which equalises the ranks' own step times at the current global batch), clamped to the scenario's
 bounds; entries for padding ranks are ignored. Keeping everything is the PID controller.
 
@@ -31,6 +31,8 @@ ceiling raises ``R`` by the progress it will cost, so the generalisation cost of
 priced in time, not by a hand-set weight. ``R`` is capped at ``REMAINING_CAP`` times the
 scenario's ``convergence_samples`` (a ceiling at or below the target would make it infinite).
 Episodes that do not reach the target are truncated after ``episode_intervals`` decisions.
+The penalties' weights (:class:`RewardWeights`) and the oscillation term are shared with the reward a
+real job measures when it fine-tunes (:mod:`lightning_dynamix.control.ppo.reward`), which owns them.
 """
 
 from __future__ import annotations
@@ -41,39 +43,16 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
-from gymnasium import spaces
 
-from lightning_dynamix._checks import require_int, require_number
-from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES
-from lightning_dynamix.rl.policy import ADJUSTMENTS, apply_adjustments, balancer, padded_observation
+from lightning_dynamix._checks import require_int
+from lightning_dynamix.control.ppo.network import apply_adjustments, balancer, padded_observation
+from lightning_dynamix.control.ppo.reward import RewardWeights, oscillation
+from lightning_dynamix.control.ppo.spaces import action_space, observation_space
 from lightning_dynamix.rl.simulator import ClusterSimulator, IntervalOutcome, Scenario, ScenarioSpace
 
 # the most progress to the target a reward counts, in units of the scenario's convergence_samples
 # (reaching 90% of the best accuracy needs about 2.3 of them)
 REMAINING_CAP = 10.0
-
-
-@dataclass(frozen=True)
-class RewardWeights:
-    """Weights of the reward's penalties (the time-to-target terms have weight 1).
-
-    Attributes:
-        oscillation: per unit of log2 batch change that reverses the previous change.
-        memory: per fraction of ranks over their memory limit.
-    """
-
-    oscillation: float = 0.05
-    memory: float = 1.0
-
-    def __post_init__(self) -> None:
-        for name in ("oscillation", "memory"):
-            require_number(name, getattr(self, name), 0.0)
-
-
-def oscillation(change: np.ndarray, previous_change: np.ndarray) -> float:
-    """Mean over ranks of ``|change|`` where a rank's log2 change reverses its previous one."""
-    reversed_change = np.sign(change) * np.sign(previous_change) < 0
-    return float(np.abs(change)[reversed_change].sum()) / len(change)
 
 
 @dataclass(frozen=True)
@@ -145,7 +124,7 @@ class DynamixEnv(gym.Env):
         scenarios: ScenarioSpace | Scenario | Sequence[Scenario] | None = None,
         max_world_size: int = 64,
         episode_intervals: int = 512,
-        reward_weights: RewardWeights = RewardWeights(),
+        reward_weights: RewardWeights = RewardWeights(),  # noqa: B008 (a frozen dataclass: one shared default is safe)
         seed: int | None = None,
     ) -> None:
         super().__init__()
@@ -174,15 +153,8 @@ class DynamixEnv(gym.Env):
         if not isinstance(reward_weights, RewardWeights):
             raise ValueError(f"`reward_weights` must be a RewardWeights, got {reward_weights!r}")
         self.reward_weights = reward_weights
-        m, local, cluster = self.max_world_size, len(LOCAL_FEATURES), len(GLOBAL_FEATURES)
-        self.observation_space = spaces.Dict(
-            {
-                "ranks": spaces.Box(-10.0, 10.0, (m, local), np.float32),
-                "cluster": spaces.Box(-10.0, 10.0, (cluster,), np.float32),
-                "mask": spaces.Box(0.0, 1.0, (m,), np.float32),
-            }
-        )
-        self.action_space = spaces.MultiDiscrete([len(ADJUSTMENTS)] * (1 + m))  # the job's, then per rank
+        self.observation_space = observation_space(self.max_world_size)
+        self.action_space = action_space(self.max_world_size)  # the job's, then per rank
         self._next_scenario = 0
         self.simulator: ClusterSimulator | None = None
         if seed is not None:

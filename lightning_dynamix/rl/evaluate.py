@@ -116,8 +116,7 @@ class OracleController:
 def controller_factory(name: str, policy: str | None = None) -> ControllerFactory:
     """A fresh controller per run, by name (``"ppo"`` loads ``policy``, default: the shipped policy)."""
     if name == "ppo":
-        from lightning_dynamix.control.ppo import PPOController
-        from lightning_dynamix.rl.files import load_policy
+        from lightning_dynamix.control.ppo import PPOController, load_policy
 
         loaded = load_policy(policy)
         return lambda scenario: PPOController(loaded)

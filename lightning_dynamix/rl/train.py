@@ -1,9 +1,9 @@
 """Train a batch-size policy with stable-baselines3's PPO in the cluster simulator, and write its policy file.
 
 :func:`train_policy` runs PPO (vectorised :class:`~lightning_dynamix.rl.env.DynamixEnv` copies,
-the rank-shared :class:`~lightning_dynamix.rl.sb3.SharedRankPolicy`), logs to CSV and TensorBoard,
+the rank-shared :class:`~lightning_dynamix.control.ppo.sb3.SharedRankPolicy`), logs to CSV and TensorBoard,
 evaluates the result against the static, pid and goodput controllers on held-out scenarios, and
-writes a policy file (:mod:`~lightning_dynamix.rl.files`) whose metadata records all of it.
+writes a policy file (:mod:`~lightning_dynamix.control.ppo.files`) whose metadata records all of it.
 ``dynamix train-policy`` is the command-line front.
 
 Held-out scenarios are drawn with seeds no training environment uses (training draws from seed
@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from lightning_dynamix._checks import require_bool, require_int, require_number
-from lightning_dynamix.rl.env import DynamixEnv, RewardWeights
+from lightning_dynamix.control.ppo.files import PolicyFile, load_policy, save_policy
+from lightning_dynamix.control.ppo.reward import RewardWeights
+from lightning_dynamix.rl.env import DynamixEnv
 from lightning_dynamix.rl.evaluate import compare, controller_factory, summarize
-from lightning_dynamix.rl.files import PolicyFile, load_policy, save_policy
 from lightning_dynamix.rl.simulator import Scenario, ScenarioSpace
 
 EVALUATION_SEED = 1_000_000
@@ -122,7 +123,7 @@ class TrainingConfig:
 
 
 PRESETS: dict[str, TrainingConfig] = {
-    # the policy that ships with the package (lightning_dynamix/rl/policies/default.safetensors)
+    # the policy that ships with the package (lightning_dynamix/control/ppo/policies/default.safetensors)
     "default": TrainingConfig(),
     # a few minutes on a laptop: to try the pipeline
     "small": TrainingConfig(timesteps=30_000, evaluation_scenarios=2, evaluation_world_sizes=(4, 16)),
@@ -181,7 +182,7 @@ def train_policy(
     from stable_baselines3.common.logger import configure
     from stable_baselines3.common.vec_env import SubprocVecEnv
 
-    from lightning_dynamix.rl.sb3 import SharedRankPolicy, silent_logger
+    from lightning_dynamix.control.ppo.sb3 import SharedRankPolicy, silent_logger
 
     start = initial_policy(init, config)
     threads = torch.get_num_threads()

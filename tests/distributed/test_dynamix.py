@@ -71,8 +71,8 @@ def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_pa
 
 def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_path):
     from lightning_dynamix.control import PPOController
+    from lightning_dynamix.control.ppo.files import default_policy_path
     from lightning_dynamix.rl import ClusterSimulator, ScenarioSpace
-    from lightning_dynamix.rl.files import default_policy_path
 
     policy = default_policy_path()
     run_job("dynamix_job.py", "ppo", tmp_path, policy, cwd=tmp_path)
@@ -92,8 +92,8 @@ def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_pat
 
 
 def test_a_policy_trained_for_fewer_ranks_than_the_job_fails_before_training(tmp_path):
-    from lightning_dynamix.rl.files import PolicyFile, save_policy
-    from lightning_dynamix.rl.policy import RankPolicyNetwork
+    from lightning_dynamix.control.ppo.files import PolicyFile, save_policy
+    from lightning_dynamix.control.ppo.network import RankPolicyNetwork
 
     path = save_policy(
         PolicyFile(RankPolicyNetwork(hidden=8, layers=1), max_world_size=1), tmp_path / "one.safetensors"
@@ -109,7 +109,7 @@ def test_finetuning_in_a_real_run_updates_the_policy_and_checkpoints_it(tmp_path
     import torch
 
     from lightning_dynamix.control import PPOController
-    from lightning_dynamix.rl.files import default_policy_path, load_policy
+    from lightning_dynamix.control.ppo.files import default_policy_path, load_policy
 
     policy = default_policy_path()
     run_job("dynamix_job.py", "finetune", tmp_path, policy, cwd=tmp_path)

@@ -13,9 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from lightning_dynamix.control import PIDController, PPOController, make_controller
-from lightning_dynamix.metrics import ClusterState, WorkerMetrics
-from lightning_dynamix.rl import ClusterSimulator, with_world_size
-from lightning_dynamix.rl.files import (
+from lightning_dynamix.control.ppo.files import (
     FORMAT_VERSION,
     PolicyFile,
     PolicyFileError,
@@ -23,7 +21,9 @@ from lightning_dynamix.rl.files import (
     load_policy,
     save_policy,
 )
-from lightning_dynamix.rl.policy import KEEP, RankPolicyNetwork
+from lightning_dynamix.control.ppo.network import KEEP, RankPolicyNetwork
+from lightning_dynamix.metrics import ClusterState, WorkerMetrics
+from lightning_dynamix.rl import ClusterSimulator, with_world_size
 from tests.unit.test_rl_simulator import two_ranks
 
 
@@ -277,8 +277,7 @@ def test_finetuning_needs_the_ppo_controller():
 
 
 def test_the_finetuning_reward_is_zero_for_a_balanced_step_at_the_first_batch_and_charges_waiting():
-    from lightning_dynamix.rl.env import RewardWeights
-    from lightning_dynamix.rl.finetune import measured_reward
+    from lightning_dynamix.control.ppo.reward import RewardWeights, measured_reward
 
     def state(own_times, noise=float("nan")):
         step = max(own_times)

@@ -8,10 +8,10 @@ import torch
 from gymnasium.utils.env_checker import check_env
 
 from lightning_dynamix.control import PIDController
+from lightning_dynamix.control.ppo.network import ADJUSTMENTS, KEEP, RankPolicyNetwork, apply_adjustments
 from lightning_dynamix.metrics import GLOBAL_FEATURES, LOCAL_FEATURES
 from lightning_dynamix.rl import ClusterSimulator, Scenario, ScenarioSpace
 from lightning_dynamix.rl.env import DynamixEnv, RewardWeights
-from lightning_dynamix.rl.policy import ADJUSTMENTS, KEEP, RankPolicyNetwork, apply_adjustments
 from tests.unit.test_rl_simulator import two_ranks
 
 KEEP_ALL = np.full(1 + 8, KEEP)  # the job's action, then one per rank

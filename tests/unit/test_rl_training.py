@@ -10,11 +10,11 @@ import torch
 from stable_baselines3 import PPO
 
 from lightning_dynamix.control import PPOController
+from lightning_dynamix.control.ppo.files import load_policy
+from lightning_dynamix.control.ppo.network import KEEP
+from lightning_dynamix.control.ppo.sb3 import SharedRankPolicy, silent_logger
 from lightning_dynamix.rl import ClusterSimulator, Scenario, ScenarioSpace
 from lightning_dynamix.rl.env import DynamixEnv
-from lightning_dynamix.rl.files import load_policy
-from lightning_dynamix.rl.policy import KEEP
-from lightning_dynamix.rl.sb3 import SharedRankPolicy, silent_logger
 from lightning_dynamix.rl.train import preset, train_policy
 
 # four ranks, two of them 3x slower, a large fixed cost per step and a noise scale far above the

@@ -46,9 +46,9 @@ from lightning_dynamix.control.allocation import (
     validate_bound_pair,
 )
 from lightning_dynamix.control.base import Decision
+from lightning_dynamix.control.ppo.files import PolicyFile, load_policy
+from lightning_dynamix.control.ppo.network import KEEP, apply_adjustments, balancer
 from lightning_dynamix.metrics.state import ClusterState
-from lightning_dynamix.rl.files import PolicyFile, load_policy
-from lightning_dynamix.rl.policy import KEEP, apply_adjustments, balancer
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PPOController:
 
     Args:
         policy: a policy file written by ``dynamix train-policy`` (a path), ``"default"`` for the
-            policy that ships with the package, or a loaded :class:`~lightning_dynamix.rl.files.PolicyFile`.
+            policy that ships with the package, or a loaded :class:`~lightning_dynamix.control.ppo.files.PolicyFile`.
         deterministic: take each rank's most likely action (the default); ``False`` samples
             actions (seeded by ``seed``), which explores.
         min_batch_size: the smallest size any rank may be given, or one per rank; ``None`` (default)
@@ -67,9 +67,9 @@ class PPOController:
             state's bound only. Give the ranks' memory limits here: the policy cannot know them.
         seed: seeds sampled actions.
         finetune: keep training the policy on this job's own decisions (PPO updates on rank 0,
-            see :mod:`lightning_dynamix.rl.finetune`); adjustments are then sampled, not the most
+            see :mod:`lightning_dynamix.control.ppo.finetune`); adjustments are then sampled, not the most
             likely ones, and the updated weights are saved with the checkpoint.
-        finetune_kwargs: arguments of :class:`~lightning_dynamix.rl.finetune.OnlineFinetuner`
+        finetune_kwargs: arguments of :class:`~lightning_dynamix.control.ppo.finetune.OnlineFinetuner`
             (``n_steps``, ``learning_rate``, ``n_epochs``, ``batch_size``, ``gamma``, ``clip_range``).
         keep_global_batch: never change the global batch (the job's action is taken as "keep", and the
             ranks' adjustments are scaled back to the balancer's total): the policy only moves samples
@@ -136,7 +136,8 @@ class PPOController:
         self.base_global_batch: int | None = None
         self.finetuner = None
         if finetune:
-            from lightning_dynamix.rl.finetune import OnlineFinetuner
+            # stable-baselines3 and gymnasium are imported only by a controller that fine-tunes
+            from lightning_dynamix.control.ppo.finetune import OnlineFinetuner
 
             try:
                 self.finetuner = OnlineFinetuner(
