@@ -7,10 +7,11 @@ setup:
 demo: setup
 	.venv/bin/dynamix demo
 
+# two pytest-xdist workers, a test file to one worker (so a module's fixtures, a job's run, run once)
 test: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
 # the inner loop: every module's unit tests, without the multi-process and end-to-end ones (make test runs all)
 test-fast: setup

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import os
 
+# Idle OpenMP threads sleep instead of spinning (every process the suite starts inherits it): ranks that wait in a
+# collective, and two pytest-xdist workers on two cores, would otherwise burn the cores the others need
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
+import torch.distributed as dist
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers share the cores rather than each take them all
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # what Lightning's launcher then leaves as it is
+    torch.set_num_threads(_threads)
 
 
 @pytest.fixture(autouse=True)
 def _environment_as_it_was():
-    """Every test leaves ``os.environ`` and torch's thread count as it found them.
+    """Every test leaves ``os.environ``, torch's thread count and torch.distributed as it found them.
 
     A Trainer run in this process sets the launcher's variables (``MASTER_PORT``, ``LOCAL_RANK``, ...)
     and ``OMP_NUM_THREADS``. A job a later test starts would inherit them: with ``OMP_NUM_THREADS=2``
@@ -20,9 +30,27 @@ def _environment_as_it_was():
     in-process run on one.
     """
     environ, threads = dict(os.environ), torch.get_num_threads()
+    grouped = dist.is_available() and dist.is_initialized()
     yield
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+    if not grouped and dist.is_available() and dist.is_initialized():
+        # a fit in this process made a process group of one rank: a later test that needs none (or its own,
+        # under pytest-xdist in whatever order a worker gets the files) must not find it
+        dist.destroy_process_group()
+
+
+# the longest files first: pytest-xdist hands a worker a file at a time in this order, so the many short unit files
+# fill the gaps at the end instead of one worker running the docs' commands alone while the other waits
+_FIRST = ("tests/docs/", "tests/cli/", "tests/distributed/")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+    items.sort(key=rank)  # stable: each file keeps its tests' order

@@ -89,3 +89,21 @@ def import_job(name: str) -> ModuleType:
 @pytest.fixture
 def job_helpers() -> ModuleType:
     return import_job("common")
+
+
+@pytest.fixture(scope="session")
+def pools():
+    """``pools(n)``: a pool of ``n`` rank processes (tests/distributed/pool.py), started when first asked for and
+    shared by every test of the session (of each pytest-xdist worker) that runs job scripts or tasks on it."""
+    from tests.distributed.pool import RankPool, rank_pool
+
+    started: dict[int, RankPool] = {}
+
+    def pool(world_size: int) -> RankPool:
+        if world_size not in started:
+            started[world_size] = rank_pool(world_size)
+        return started[world_size]
+
+    yield pool
+    for each in started.values():
+        each.close()

@@ -45,7 +45,7 @@ class RankPool:
         deadline: how long a task may take (seconds) before the pool counts it as hung.
     """
 
-    def __init__(self, world_size: int, out: Path, timeout: float = 20.0, deadline: float = 60.0) -> None:
+    def __init__(self, world_size: int, out: Path, timeout: float = 60.0, deadline: float = 180.0) -> None:
         self.world_size = world_size
         self.out = out
         self.timeout = timeout
@@ -79,21 +79,40 @@ class RankPool:
 
     def run(self, job: str, function: str, **kwargs: Any) -> list[Any]:
         """Every rank's return value of ``jobs/<job>.py``'s ``function(**kwargs)``, called on every rank at once."""
+        return self._run({"job": job, "function": function, "kwargs": kwargs}, f"{job}.{function}({kwargs})")
+
+    def run_script(self, script: str, *args: object, cwd: Path) -> None:
+        """Run the job script ``jobs/<script>`` with ``args`` on every rank at once, in ``cwd``, as its ranks (the
+        script writes its own results); fails the test as :meth:`run` does."""
+        self._collect(*self.submit_script(script, *args, cwd=cwd))
+
+    def submit_script(self, script: str, *args: object, cwd: Path) -> tuple[int, str]:
+        """Start :meth:`run_script`'s task without waiting for it (see :func:`run_scripts`); its id and name."""
+        task = {"script": script, "argv": [str(a) for a in args], "cwd": str(cwd)}
+        return self._submit(task), f"{script} {' '.join(task['argv'])}"
+
+    def _run(self, task: dict[str, Any], what: str) -> list[Any]:
+        return self._collect(self._submit(task), what)
+
+    def _submit(self, task: dict[str, Any]) -> int:
         if not self._procs or any(p.poll() is not None for p in self._procs):
             self.close()
             self._start()
         self.tasks += 1
-        task = {"id": self.tasks, "job": job, "function": function, "kwargs": kwargs, "out": str(self.out)}
+        task = {**task, "id": self.tasks, "out": str(self.out)}
         for proc, log in zip(self._procs, self._logs):
             log.clear()
             assert proc.stdin is not None
             proc.stdin.write((json.dumps(task) + "\n").encode())
-        answers = self._answers(task["id"])
+        return self.tasks
+
+    def _collect(self, task_id: int, what: str) -> list[Any]:
+        answers = self._answers(task_id)
         if any(answer != "done" for answer in answers):
             logs = "\n".join(f"--- rank {r}: {answers[r]}\n" + "".join(log[-60:]) for r, log in enumerate(self._logs))
             self.close()
-            pytest.fail(f"{job}.{function}({kwargs}) did not finish on every rank:\n{logs}")
-        return [torch.load(self.out / f"{task['id']}-rank{r}.pt", weights_only=False) for r in range(self.world_size)]
+            pytest.fail(f"{what} did not finish on every rank:\n{logs}")
+        return [torch.load(self.out / f"{task_id}-rank{r}.pt", weights_only=False) for r in range(self.world_size)]
 
     def _answers(self, task_id: int) -> list[str]:
         answers: list[str | None] = [None] * self.world_size
@@ -145,6 +164,14 @@ class RankPool:
         self._procs = []
 
 
-def rank_pool(world_size: int, timeout: float = 20.0, deadline: float = 60.0) -> RankPool:
+def run_scripts(*jobs: tuple[RankPool, str, tuple[object, ...], Path]) -> None:
+    """Run ``(pool, script, args, cwd)`` jobs at once, each on its own pool (jobs whose results do not depend on
+    how fast they run: they share the cores); fails the test as :meth:`RankPool.run_script` does."""
+    started = [(pool, pool.submit_script(script, *args, cwd=cwd)) for pool, script, args, cwd in jobs]
+    for pool, (task_id, what) in started:
+        pool._collect(task_id, what)
+
+
+def rank_pool(world_size: int, timeout: float = 60.0, deadline: float = 180.0) -> RankPool:
     """A :class:`RankPool` whose results go to a new temporary folder (removed by the system's temp cleanup)."""
     return RankPool(world_size, Path(tempfile.mkdtemp(prefix=f"pool-{world_size}-")), timeout, deadline)

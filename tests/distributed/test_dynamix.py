@@ -20,9 +20,9 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def balance(tmp_path_factory):
+def balance(tmp_path_factory, pools):
     out = tmp_path_factory.mktemp("balance")
-    run_job("dynamix_job.py", "balance", out, cwd=out)
+    pools(2).run_script("dynamix_job.py", "balance", out, cwd=out)
     return json.loads((out / "balance.json").read_text())
 
 
@@ -55,8 +55,8 @@ def test_per_rank_sizes_and_times_reach_the_trainers_logger(balance):
     assert all(float(r["dynamix/rank_0/compute_time"]) > 0 for r in logged)
 
 
-def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_path):
-    run_job("dynamix_job.py", "resume", tmp_path, cwd=tmp_path)
+def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_path, pools):
+    pools(2).run_script("dynamix_job.py", "resume", tmp_path, cwd=tmp_path)
     result = json.loads((tmp_path / "resume.json").read_text())
     before, after = result["before"], result["after"]
     assert before["sizes"] != [64, 64]  # the first run did rebalance before its checkpoint
@@ -69,13 +69,13 @@ def test_a_resumed_run_continues_with_the_same_sizes_and_controller_state(tmp_pa
     assert result["history"][0]["step"] == 35  # decisions continue on the same step grid
 
 
-def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_path):
+def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_path, pools):
     from lightning_dynamix.control import PPOController
     from lightning_dynamix.control.ppo.files import default_policy_path
     from lightning_dynamix.rl import ClusterSimulator, ScenarioSpace
 
     policy = default_policy_path()
-    run_job("dynamix_job.py", "ppo", tmp_path, policy, cwd=tmp_path)
+    pools(2).run_script("dynamix_job.py", "ppo", tmp_path, policy, cwd=tmp_path)
     history = json.loads((tmp_path / "ppo.json").read_text())["history"]
     assert len(history) >= 8
     for record in history:
@@ -105,14 +105,14 @@ def test_a_policy_trained_for_fewer_ranks_than_the_job_fails_before_training(tmp
     assert not (tmp_path / "ppo.json").exists()
 
 
-def test_finetuning_in_a_real_run_updates_the_policy_and_checkpoints_it(tmp_path):
+def test_finetuning_in_a_real_run_updates_the_policy_and_checkpoints_it(tmp_path, pools):
     import torch
 
     from lightning_dynamix.control import PPOController
     from lightning_dynamix.control.ppo.files import default_policy_path, load_policy
 
     policy = default_policy_path()
-    run_job("dynamix_job.py", "finetune", tmp_path, policy, cwd=tmp_path)
+    pools(2).run_script("dynamix_job.py", "finetune", tmp_path, policy, cwd=tmp_path)
     # decisions at steps 4, 6, ..., 40: 18 rewarded transitions, 4 PPO updates of 4
     assert json.loads((tmp_path / "finetune.json").read_text())["updates"] == 4
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=False)

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from tests.distributed.conftest import run_job, run_jobs
+from tests.distributed.conftest import run_job
+from tests.distributed.pool import run_scripts
 
 pytestmark = pytest.mark.distributed
 
@@ -29,10 +30,10 @@ NUM_SAMPLES = 150
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """The 2-rank and the 3-rank job, run at once; each one's output folder."""
+def jobs(tmp_path_factory, pools):
+    """The 2-rank and the 3-rank job, run at once on the session's pools of ranks; each one's output folder."""
     outs = {world_size: tmp_path_factory.mktemp(f"exactness-{world_size}") for world_size in (2, 3)}
-    run_jobs(*[("exactness_job.py", (world_size, out), out) for world_size, out in outs.items()])
+    run_scripts(*[(pools(world_size), "exactness_job.py", (world_size, out), out) for world_size, out in outs.items()])
     return outs
 
 

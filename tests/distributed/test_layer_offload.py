@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
-from tests.distributed.conftest import import_job, run_job, run_jobs
+from tests.distributed.conftest import import_job, run_job
+from tests.distributed.pool import run_scripts
 
 pytestmark = pytest.mark.distributed
 
@@ -35,7 +36,7 @@ def job():
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory):
+def fits(tmp_path_factory, pools):
     """The 1-trainer and the 2-trainer job, run at once; each one's output folder, by trainers.
 
     The 2 trainers' first fit meets 2 servers started with ``python -m lightning_dynamix.serve`` at
@@ -52,7 +53,9 @@ def fits(tmp_path_factory):
         scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
         scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2", "overflow-sgd-1"]
         alone = ["sgd-2-0", "adagrad-2-0", "adagrad-2-0-0", "adagrad-2-1", "resume-adagrad-2-3"]
-        run_jobs(("offload_job.py", (1, one, *alone), one), ("offload_job.py", (2, two, *scenarios), two))
+        run_scripts(
+            (pools(1), "offload_job.py", (1, one, *alone), one), (pools(2), "offload_job.py", (2, two, *scenarios), two)
+        )
         codes = [server.wait(timeout=30) for server in servers]  # they stop with the fit that used them
     finally:
         for server in servers:

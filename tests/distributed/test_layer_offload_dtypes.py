@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import import_job, run_jobs
+from tests.distributed.conftest import import_job
+from tests.distributed.pool import run_scripts
 
 pytestmark = pytest.mark.distributed
 
@@ -26,7 +27,6 @@ TOLERANCE = 1e-6  # float64 and float32 values (float32 ones end a few units in 
 # rounded apart where torch's dense Adagrad rounds them at once. Measured: 3.3 units after 8 updates at most.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 MATRIX = [(1, 1, "ahead"), (1, 2, "fetch"), (2, 1, "fetch"), (2, 2, "ahead")]  # trainers, servers, lookups
-JOB_TIMEOUT_S = 120  # both jobs take about 20 s on 2 cores; a hang fails the test instead of the suite
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,15 @@ def job():
 
 
 @pytest.fixture(scope="module")
-def fits(tmp_path_factory):
+def fits(tmp_path_factory, pools):
     """The 1-trainer and the 2-trainer job, run at once; each one's output folder, by trainers."""
     one, two = tmp_path_factory.mktemp("dtypes-1-trainer"), tmp_path_factory.mktemp("dtypes-2-trainers")
     by_trainers = {1: [], 2: []}
     for trainers, servers, lookup in MATRIX:
         by_trainers[trainers].append(f"mixed-{servers}-{lookup}")
-    run_jobs(
-        ("offload_dtype_job.py", (1, one, *by_trainers[1], "resume-2-1"), one),
-        ("offload_dtype_job.py", (2, two, *by_trainers[2], "report"), two),
-        timeout=JOB_TIMEOUT_S,
+    run_scripts(
+        (pools(1), "offload_dtype_job.py", (1, one, *by_trainers[1], "resume-2-1"), one),
+        (pools(2), "offload_dtype_job.py", (2, two, *by_trainers[2], "report"), two),
     )
     return {1: one, 2: two}
 

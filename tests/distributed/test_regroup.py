@@ -11,8 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import run_job
-
 pytestmark = pytest.mark.distributed
 
 NUM_SAMPLES = 150
@@ -21,11 +19,11 @@ DIRECTIONS = [(3, 2), (2, 3)]  # (saved by, resumed on)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     out = tmp_path_factory.mktemp("regroup")
-    run_job("regroup_job.py", 3, out, cwd=out)
-    run_job("regroup_job.py", 2, out, 3, cwd=out)
-    run_job("regroup_job.py", 3, out, 2, cwd=out)
+    pools(3).run_script("regroup_job.py", 3, out, cwd=out)
+    pools(2).run_script("regroup_job.py", 2, out, 3, cwd=out)
+    pools(3).run_script("regroup_job.py", 3, out, 2, cwd=out)
 
     def load(config, name, world):
         return [torch.load(out / f"{config}-{name}-w{world}-rank{r}.pt") for r in range(world)]

@@ -10,18 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import run_jobs
-
 pytestmark = pytest.mark.distributed
 
 NUM_SAMPLES = 150
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """The jobs without and with DataLoader workers, run at once; each one's output folder."""
+def jobs(tmp_path_factory, pools):
+    """The jobs without and with DataLoader workers, on the session's pool of 2 ranks; each one's output folder."""
     outs = {workers: tmp_path_factory.mktemp(f"resume-{workers}") for workers in (0, 2)}
-    run_jobs(*[("resume_job.py", (workers, out), out) for workers, out in outs.items()])
+    for workers, out in outs.items():
+        pools(2).run_script("resume_job.py", workers, out, cwd=out)
     return outs
 
 

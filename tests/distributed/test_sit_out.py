@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.conftest import run_job
-
 pytestmark = pytest.mark.distributed
 
 SCENARIOS = {"sgd-acc1": ("sgd", 1), "adam-acc1": ("adam", 1), "sgd-acc2": ("sgd", 2), "adam-acc3": ("adam", 3)}
@@ -18,9 +16,9 @@ NUM_SAMPLES, WORLD = 150, 3
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, pools):
     out = tmp_path_factory.mktemp("sit-out")
-    run_job("sit_out_job.py", out, cwd=out)
+    pools(WORLD).run_script("sit_out_job.py", out, cwd=out)
     names = [*SCENARIOS, "mid1", "mid2", "broadcast"]
     return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(WORLD)] for name in names}
 

@@ -5,11 +5,11 @@ sizes; about half of all sizes are 0), and an optimizer and set-up: under Lightn
 rank with no samples leaves the step (one step, one synchronisation) and ones where it must join
 the all-reduce with a zero gradient (gradient accumulation, DDP's ``find_unused_parameters``);
 under ``DynamixAccelerate`` a rank always joins with ``zero_loss()``. For every sequence: the run
-ends (no hang: a collective waits at most the pool's process-group timeout of 20 s, and a task
+ends (no hang: a collective waits at most the pool's process-group timeout of 60 s, and a task
 that outlives its deadline fails the test), every rank ran the same steps, every sample was
 trained exactly once per epoch, and every rank's parameters equal one process trained on the
 concatenated global batches (float64, 1e-6). Each world size keeps one pool of rank processes
-for all its sequences (:mod:`tests.distributed.pool`).
+for all its sequences, shared with the other job scripts of the session (:mod:`tests.distributed.pool`).
 
 The sequences are the same on every run (``derandomize``), so that CI never fails on a draw, and a
 failing one is reported as drawn; set ``DYNAMIX_HYPOTHESIS=explore`` to draw new ones (5 times as
@@ -25,11 +25,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from lightning_dynamix.distributed import MAX_TRAINING_GROUPS
-from tests.distributed.pool import RankPool, rank_pool
 
 pytestmark = pytest.mark.distributed
 
-NUM_SAMPLES, EPOCHS, TIMEOUT = 40, 2, 20.0
+NUM_SAMPLES, EPOCHS, TIMEOUT = 40, 2, 60.0  # TIMEOUT: the pools' process groups' (tests/distributed/pool.py)
 EXPLORE = os.environ.get("DYNAMIX_HYPOTHESIS") == "explore"
 # sequences per world size and framework: 6 x 35 = 210 in a run
 EXAMPLES = 175 if EXPLORE else 35
@@ -45,21 +44,6 @@ PROPERTY = settings(
     phases=list(Phase) if EXPLORE else [Phase.explicit, Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large],
 )
-
-
-@pytest.fixture(scope="module")
-def pools():
-    """One pool of rank processes per world size, started when first used and stopped after the module."""
-    started: dict[int, RankPool] = {}
-
-    def pool(world_size: int) -> RankPool:
-        if world_size not in started:
-            started[world_size] = rank_pool(world_size, timeout=TIMEOUT)
-        return started[world_size]
-
-    yield pool
-    for each in started.values():
-        each.close()
 
 
 def sizes(world_size: int) -> st.SearchStrategy[list[int]]:
@@ -167,8 +151,9 @@ def test_the_sitting_set_changing_on_three_and_four_ranks_trains_like_one_proces
     )  # fmt: skip
     check_like_one_process(job_helpers, results, "sgd", 1, num_samples=150, epochs=1)
     check_epoch_metrics(results, num_samples=150, epochs=1)
-    # the groups of training ranks wait for their members as long as the strategy's timeout says
-    assert all(r["group_timeouts"] == [TIMEOUT] for r in results)
+    # the groups of training ranks wait for their members as long as the strategy's timeout says (other
+    # strategies the pool's processes ran before made theirs with their own), never torch's 30 minutes
+    assert all(TIMEOUT in r["group_timeouts"] and 1800.0 not in r["group_timeouts"] for r in results)
     steps = len(results[0]["steps"])
     sitting = [frozenset(r for r, rank in enumerate(results) if not rank["steps"][k][2]) for k in range(steps)]
     seen = [s for k, s in enumerate(sitting) if s and (k == 0 or s != sitting[k - 1])]

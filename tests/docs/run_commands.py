@@ -41,13 +41,13 @@ LONG: dict[str, str] = {
     ".venv/bin/python -m pytest": "a part of the test suite, which runs it anyway",
     "make demo": "`dynamix demo`, below",
     "source .venv/bin/activate": "the suite runs inside the virtual environment",
-    "dynamix demo": "about 90 s; tests/cli/test_cli.py runs a 1-epoch demo",
-    "dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
-    ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/test_cli.py runs short ones",
+    "dynamix demo": "about 90 s; tests/cli/test_balance.py runs a 1-epoch demo",
+    "dynamix bench": "benchmarks run for minutes; tests/cli/ runs short ones",
+    ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/ runs short ones",
     ".venv/bin/dynamix train-policy --preset default": "about 35 minutes; the docs train a tiny policy",
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
     "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
-    "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_cli.py reports a 1-epoch demo's",
+    "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_balance.py reports a short one",
 }
 
 # ``dynamix`` subcommands that start no process: run in this process

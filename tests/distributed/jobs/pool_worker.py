@@ -4,7 +4,8 @@ Usage: python pool_worker.py TIMEOUT_SECONDS, with ``RANK``, ``WORLD_SIZE``, ``L
 and ``MASTER_PORT`` set (:class:`tests.distributed.pool.RankPool` starts every rank). The worker
 joins a gloo process group of that timeout, then reads one task per line of standard input, JSON
 ``{"id": ..., "job": ..., "function": ..., "kwargs": {...}}``: it calls ``function(**kwargs)`` of
-``jobs/<job>.py`` (Lightning's ``Trainer.fit`` finds the process group there and keeps it),
+``jobs/<job>.py`` (Lightning's ``Trainer.fit`` finds the process group there and keeps it), or
+``{"id": ..., "script": ..., "argv": [...], "cwd": ...}``: it runs a job script (:func:`run_script`);
 writes the returned value with ``torch.save`` to ``<out>/<id>-rank<r>.pt`` and answers on a line of
 its own, after everything else the task printed: ``@@done <id>`` or ``@@failed <id>`` with the
 traceback before it. An empty line or the end of standard input ends the worker at once.
@@ -13,6 +14,7 @@ traceback before it. An empty line or the end of standard input ends the worker 
 import importlib
 import json
 import os
+import runpy
 import sys
 import traceback
 from datetime import timedelta
@@ -22,6 +24,39 @@ import torch
 import torch.distributed as dist
 
 MARKER = "@@"
+JOBS = Path(__file__).resolve().parent
+
+
+def run_script(script: str, argv: list[str], cwd: str) -> None:
+    """Run ``jobs/<script>`` as ``python script argv...`` would (``__main__``, ``sys.argv``), in ``cwd``, then
+    give the process back as it was: the default dtype, torch's threads, the environment and the directory.
+
+    A job script started by Lightning's launcher finds the pool's process group already formed and the
+    launcher's variables set (as under ``torchrun``): every rank runs it at once, each with its own rank.
+    """
+    dtype, threads, environ, directory, saved_argv = (
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        dict(os.environ),
+        os.getcwd(),
+        sys.argv,
+    )
+    sys.argv = [str(JOBS / script), *argv]
+    os.chdir(cwd)
+    try:
+        runpy.run_path(str(JOBS / script), run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            raise
+    finally:
+        sys.argv = saved_argv
+        os.chdir(directory)
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+    if not dist.is_initialized():  # the script ended the process group: this rank cannot serve another task
+        raise RuntimeError(f"{script} destroyed the pool's process group; run it on its own instead")
 
 
 def main() -> None:
@@ -33,8 +68,11 @@ def main() -> None:
             break
         task = json.loads(line)
         try:
-            job = importlib.import_module(task["job"])
-            result = getattr(job, task["function"])(**task["kwargs"])
+            if "script" in task:
+                result = run_script(task["script"], task["argv"], task["cwd"])
+            else:
+                job = importlib.import_module(task["job"])
+                result = getattr(job, task["function"])(**task["kwargs"])
             torch.save(result, Path(task["out"]) / f"{task['id']}-rank{rank}.pt")
         except BaseException:
             traceback.print_exc()

@@ -1,0 +1,98 @@
+"""The overhead, hook, policy and elastic benches of ``dynamix``, run as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.cli.commands import dynamix, dynamix_here
+
+pytestmark = pytest.mark.distributed
+
+
+def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
+    out = tmp_path / "overhead.json"
+    dynamix(
+        "bench", "overhead", "--rounds", "2", "--steps", "5", "--warmup", "2",
+        "--features", "8", "--hidden", "16", "--batch-size", "4", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert len(result["ratios"]) == 2
+    assert result["median_ratio"] > 0
+    assert result["machine"]["cpus"] == os.cpu_count()
+
+
+def test_bench_overhead_with_the_callback_also_measures_the_callbacks_own_work(tmp_path):
+    out = tmp_path / "overhead.json"
+    dynamix(
+        "bench", "overhead", "--with-callback", "--with-preemption", "--interval", "2", "--rounds", "1",
+        "--steps", "8", "--warmup", "2",
+        "--features", "8", "--hidden", "16", "--batch-size", "4", "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["variant"] == "heterogeneous_ddp + DynamixCallback + PreemptionCheckpoint"
+    assert result["callback_ms_per_step"] > 0
+    assert 0 < result["preemption_check_ms_per_step"] < result["median_step_ms_ddp"]
+    assert 0 < result["step_clock_ms_per_step"] < result["median_step_ms_ddp"]
+    expected = (result["callback_ms_per_step"] + result["step_clock_ms_per_step"]) / result["median_step_ms_ddp"]
+    assert result["callback_cost_fraction_of_ddp_step"] == pytest.approx(expected)
+
+
+def test_bench_elastic_preempts_a_node_under_torch_elastic_and_loses_no_step_with_the_preemption_checkpoint(tmp_path):
+    out = tmp_path / "elastic.json"
+    printed = dynamix(
+        # 10 steps per epoch; the node leaves at step 5 and is back at step 10, with ~15 s of training left
+        "bench", "elastic", "--scenarios", "preemption", "--epochs", "30", "--num-samples", "3840",
+        "--val-checks", "1", "--preempt-at", "0.5", "--back-at", "1",
+        "--target", "0.5", "--workdir", str(tmp_path / "work"), "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]["PreemptionCheckpoint"]
+    assert run["launches"][:2] == [[3, 0], [2, run["launches"][1][1]]]
+    assert run["launches"][1][1] >= 5  # saved at or after the step of the notice
+    assert run["steps_lost"] == 0
+    assert run["steps"] == 30 * 10
+    assert run["notice_to_training"] > 0
+    assert run["notice_to_step_reached"] == run["notice_to_training"]  # nothing to train again
+    assert not run["back_after_the_end"]
+    # the node came back while the job still trained, or as it wound down: then torch elastic restarted
+    # the group once more, which resumed the end (PreemptionCheckpoint saves it) and trained nothing
+    assert run["launches"][-1][0] == 3
+    if run["launches"][-1][1] < run["steps"]:
+        assert run["back_to_training_on_all"] > 0
+    assert "| PreemptionCheckpoint | 0 |" in printed
+
+
+def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_path):
+    out = tmp_path / "hook.json"
+    dynamix(
+        "bench", "hook", "--iterations", "5", "--features", "8", "--hidden", "16", "--batch-size", "4",
+        "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["ratio_to_builtin"]["ddp built-in"] == 1.0
+    assert set(result["median_ms"]) == {
+        "ddp built-in",
+        "ddp built-in, again",
+        "weighted hook, weight 1",
+        "weighted hook, weight 0.5",
+    }
+
+
+def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size(tmp_path):
+    import torch
+
+    out = tmp_path / "policy.json"
+    threads = torch.get_num_threads()
+    dynamix_here("bench", "policy", "--world-sizes", "1,4", "--decisions", "5", "--output", str(out), cwd=tmp_path)
+    assert torch.get_num_threads() == threads  # timed on one thread, then given back
+    result = json.loads(out.read_text())
+    assert set(result) == {"1", "4"}
+    for row in result.values():
+        assert row["network_median_ms"] > 0
+        assert 0 < row["median_ms"] <= row["p99_ms"]
