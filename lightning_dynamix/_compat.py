@@ -78,6 +78,17 @@ def set_epoch_length(trainer: Any, loader: Any, num_batches: int | float) -> boo
     return True
 
 
+def layer_sync(strategy: Any) -> Any:
+    """The ``LayerSync`` plugin Lightning gave ``strategy`` (``sync_batchnorm=True``: ``TorchSyncBatchNorm``)."""
+    return _attribute(strategy, "_layer_sync", "lightning", "synchronise BatchNorm over uneven batches")
+
+
+def set_layer_sync(strategy: Any, plugin: Any) -> None:
+    """Make ``plugin`` the ``LayerSync`` that ``strategy`` applies to the model at set-up."""
+    _attribute(strategy, "_layer_sync", "lightning", "synchronise BatchNorm over uneven batches")
+    strategy._layer_sync = plugin
+
+
 def training_dataloaders(trainer: Any) -> list[Any] | None:
     """The training DataLoaders ``trainer``'s fit loop iterates; ``None`` before it has them."""
     combined = _attribute(trainer.fit_loop, "_combined_loader", "lightning", "count the training DataLoaders")
@@ -101,6 +112,20 @@ def result_metric_types() -> tuple[type, type, type]:
 
 
 # ------------------------------------------------------------------------------------------------- torch
+
+
+def _batch_norm_base() -> type:
+    try:
+        from torch.nn.modules.batchnorm import _BatchNorm
+    except ImportError as error:
+        raise _missing(
+            "torch", "`torch.nn.modules.batchnorm._BatchNorm`", "find and replace BatchNorm layers"
+        ) from error
+    return _BatchNorm
+
+
+BatchNormBase: type = _batch_norm_base()
+"""torch's base class of every BatchNorm layer (1d, 2d, 3d, lazy, ``SyncBatchNorm``)."""
 
 
 def ddp_has_rebuilt_buckets(model: torch.nn.parallel.DistributedDataParallel) -> bool:

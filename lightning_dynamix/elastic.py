@@ -131,9 +131,8 @@ def resume_sampler(
         sampler.load_state_dict(state)
         return
     speeds = weights() if weights is not None else None
-    sampler.load_state_dict(
-        state, split=lambda total: split_global_batch(total, world, min_batch_size, max_batch_size, speeds)
-    )
+    low = max(min_batch_size, sampler.least_batch_size)  # a rank of a BatchNorm model trains 2 samples or more
+    sampler.load_state_dict(state, split=lambda total: split_global_batch(total, world, low, max_batch_size, speeds))
     if explicit is not None:
         sampler.set_batch_sizes(explicit, from_step=sampler.next_step)
 

@@ -23,6 +23,7 @@ import torch
 
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
+from lightning_dynamix.control.allocation import respect_least_batch_size
 from lightning_dynamix.distributed import broadcast_floats, gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
 from lightning_dynamix.metrics.state import loss_slope
@@ -138,6 +139,7 @@ class IntervalMeter:
         sizes: Sequence[int],
         bounds: tuple[int, int | None],
         device: torch.device,
+        least_batch_size: int = 1,
     ) -> ClusterState:
         """Every rank's interval into one :class:`ClusterState`: a collective, call it on all ranks.
 
@@ -187,6 +189,7 @@ class IntervalMeter:
             lr=lr,
             min_batch_size=low,
             max_batch_size=high,
+            least_batch_size=max(least_batch_size, low),
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -364,6 +367,8 @@ class DecisionMaker:
             )
         if getattr(self.controller, "uses_measurements", True):
             sizes = self._probe(current, sizes, low, high, 1.0 / state.throughput)
+        # a model with BatchNorm cannot train a rank on fewer than 2 samples: such a size becomes 0 or 2
+        sizes = list(respect_least_batch_size(sizes, state.least_batch_size, high))
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)

@@ -19,12 +19,13 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_dynamix.bench import contention
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.data.images import ImageClassificationDataModule
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
@@ -53,11 +54,15 @@ class RunConfig:
         seed: seed of the data, the initial weights and the training order.
         schedule: ``(step, rank, factor)`` speed changes during the run.
         max_batch_size: the largest batch size a rank may be given.
-        min_batch_size: the smallest batch size a rank may be given (0: a straggler may sit out).
+        min_batch_size: the smallest batch size a rank may be given (0: a straggler may sit out); ``None``: the
+            strategy's default (1, or 2 for a model with BatchNorm).
         keep_global_batch: the controller only moves samples between ranks (``goodput`` and ``ppo``
             keep the initial global batch instead of choosing one); ``pid`` always keeps it.
         hidden: width of the classifier's hidden layers (the transformer's model width).
-        architecture: ``"mlp"`` or ``"transformer"`` (:class:`~lightning_dynamix.data.workloads.ClassificationTask`).
+        architecture: ``"mlp"``, ``"transformer"`` or ``"resnet"``
+            (:class:`~lightning_dynamix.data.workloads.ClassificationTask`; the resnet trains on the images of
+            :class:`~lightning_dynamix.data.images.ImageClassificationDataModule`).
+        sync_batchnorm: the Trainer's ``sync_batchnorm``: BatchNorm over the global batch.
         depth: hidden layers of the MLP, encoder layers of the transformer.
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
         num_samples: training samples per epoch.
@@ -81,10 +86,11 @@ class RunConfig:
     seed: int = 0
     schedule: tuple[tuple[int, int, float], ...] = ()
     max_batch_size: int = 1024
-    min_batch_size: int = 1
+    min_batch_size: int | None = None
     keep_global_batch: bool = False
     hidden: int = 768
     architecture: str = "mlp"
+    sync_batchnorm: bool = False
     depth: int = 2
     optimizer: str = "sgd"
     num_samples: int = 16384
@@ -223,12 +229,17 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         val_check_interval=1.0 / config.val_checks_per_epoch,
         num_sanity_val_steps=0,
         callbacks=[*slowdown, dynamix, clock],
+        sync_batchnorm=config.sync_batchnorm,
         logger=False if config.log_dir is None else CSVLogger(config.log_dir, name=config.controller, version=""),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = ClassificationDataModule(num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed)
+    images = config.architecture == "resnet"
+    data_module = ImageClassificationDataModule if images else ClassificationDataModule
+    data: LightningDataModule = data_module(
+        num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
+    )
     model = ClassificationTask(
         hidden=config.hidden,
         depth=config.depth,

@@ -19,6 +19,7 @@ from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
+from lightning_dynamix.data.workloads import ARCHITECTURES
 
 
 def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
@@ -52,7 +53,24 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
         default=(),
         help="speed changes STEP:RANK:FACTOR,... (e.g. 50:1:3 makes rank 1 3x slower from step 50)",
     )
-    parser.add_argument("--hidden", type=int, default=768, help="width of the classifier's layers (default 768)")
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=None,
+        help="width of the classifier's layers (default 768); the resnet's first stage (default 16)",
+    )
+    parser.add_argument(
+        "--architecture",
+        choices=ARCHITECTURES,
+        default="mlp",
+        help="the classifier: mlp (default), a small transformer encoder (another model family), or resnet (a"
+        " ResNet-style network with BatchNorm on synthetic images)",
+    )
+    parser.add_argument(
+        "--sync-batchnorm",
+        action="store_true",
+        help="BatchNorm over the global batch (Trainer(sync_batchnorm=True), GlobalBatchNorm); default: per rank",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -77,6 +95,13 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
     )
 
 
+def _hidden(args: argparse.Namespace) -> int:
+    """``--hidden``, or the architecture's default width."""
+    if args.hidden is not None:
+        return args.hidden
+    return 16 if args.architecture == "resnet" else 768
+
+
 def _finest(args: argparse.Namespace, world: int) -> int:
     if args.oracle_finest is not None and args.oracle_finest < 1:
         raise SystemExit(f"--oracle-finest must be >= 1, got {args.oracle_finest}")
@@ -94,8 +119,9 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--min-batch-size",
         type=int,
-        default=1,
-        help="smallest size a rank may be given (default 1); 0 lets the controller sit a straggler out",
+        default=None,
+        help="smallest size a rank may be given (default 1, or 2 for a model with BatchNorm); 0 lets the controller"
+        " sit a straggler out",
     )
     parser.add_argument(
         "--keep-global-batch",
@@ -262,7 +288,7 @@ def _oracle(args: argparse.Namespace, measure: Callable[[tuple[int, ...]], float
 
 
 def run_balance(args: argparse.Namespace) -> None:
-    if args.min_batch_size < 0:
+    if args.min_batch_size is not None and args.min_batch_size < 0:
         raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
@@ -283,7 +309,9 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         epochs=1000,
         max_steps=args.steps,
         interval=args.interval,
-        hidden=args.hidden,
+        hidden=_hidden(args),
+        architecture=args.architecture,
+        sync_batchnorm=args.sync_batchnorm,
         schedule=args.schedule,
         val_checks_per_epoch=1,
         min_batch_size=args.min_batch_size,
@@ -291,7 +319,8 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     )
     measure = _fixed_split_measure(config, half)
     # the same run with fixed splits, measured before the controllers'
-    oracle = _oracle(args, measure, args.min_batch_size) if args.oracle else None
+    low = args.min_batch_size if args.min_batch_size is not None else (2 if args.architecture == "resnet" else 1)
+    oracle = _oracle(args, measure, low) if args.oracle else None
     fixed_rates: list[float] = []
     runs: dict[str, list[RunResult]] = {c: [] for c in controllers}
     # the best of many noisy measurements is biased upwards: the controllers are judged against fresh
@@ -394,12 +423,6 @@ def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default 10)")
     parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate at the initial global batch (default 0.1)")
-    parser.add_argument(
-        "--architecture",
-        choices=("mlp", "transformer"),
-        default="mlp",
-        help="the classifier: mlp (default), or a small transformer encoder (another model family)",
-    )
     parser.add_argument("--depth", type=int, default=2, help="MLP hidden layers or transformer layers (default 2)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (momentum 0.9)")
     parser.add_argument(
@@ -440,10 +463,11 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         batch_size=args.batch_size,
         epochs=args.epochs,
         interval=args.interval,
-        hidden=args.hidden,
+        hidden=_hidden(args),
+        architecture=args.architecture,
+        sync_batchnorm=args.sync_batchnorm,
         lr=args.lr,
         lr_scaling=args.lr_scaling,
-        architecture=args.architecture,
         depth=args.depth,
         optimizer=args.optimizer,
         target_accuracy=args.target_accuracy,
@@ -509,7 +533,8 @@ def _report_tta(args: argparse.Namespace, output: dict[str, Any]) -> None:
         print(json.dumps({k: v for k, v in output.items() if k != "runs"}, indent=2))
         return
     changes = "".join(f", rank {r} x{f:g} from step {s}" for s, r, f in args.schedule)
-    model = f"{args.architecture} (hidden {args.hidden}, depth {args.depth}, {args.optimizer} lr {args.lr:g})"
+    norm = ", global BatchNorm" if args.sync_batchnorm else ""
+    model = f"{args.architecture} (hidden {_hidden(args)}, depth {args.depth}, {args.optimizer} lr {args.lr:g}{norm})"
     print(
         f"\ndynamix bench tta: {model}, speeds {list(args.speeds)} ({args.contention}){changes}, {args.epochs} epochs,"
         f" target accuracy {args.target_accuracy}, {args.seeds} seeds (medians)"

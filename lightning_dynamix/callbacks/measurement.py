@@ -125,6 +125,11 @@ class ClusterMetricsMonitor(Callback):
         strategy = self._strategy_or_fail()
         return strategy.min_batch_size, strategy.max_batch_size
 
+    @property
+    def least_batch_size(self) -> int:
+        """The smallest size a rank that trains may be given: the strategy's (2 for a model with BatchNorm)."""
+        return self._strategy_or_fail().least_batch_size
+
     def decide_and_apply(self, trainer: Trainer, pl_module: LightningModule, state: ClusterState) -> Decision | None:
         """Nothing to decide for a monitor; :class:`DynamixCallback` decides here."""
         return None
@@ -142,6 +147,7 @@ class ClusterMetricsMonitor(Callback):
             sizes=strategy.current_batch_sizes or strategy.batch_sizes or (),
             bounds=self.bounds,
             device=strategy.root_device,
+            least_batch_size=self.least_batch_size,
         )
 
     # ------------------------------------------------------------------ logging

@@ -127,6 +127,28 @@ def round_to_total(
     return tuple(int(s) for s in sizes)
 
 
+def respect_least_batch_size(sizes: Sequence[int], least: int, upper: int | None = None) -> tuple[int, ...]:
+    """``sizes`` with every size between 0 and ``least`` made 0 or ``least``, the total kept.
+
+    A size below half of ``least`` becomes 0 (the rank sits out), one at or above it becomes ``least``;
+    the samples that frees or takes are spread over the ranks that train in proportion to their sizes
+    (largest remainders), none of them below ``least`` or above ``upper``. A model whose BatchNorm
+    needs 2 samples per rank so never gets a rank of 1, whatever a controller decided.
+    """
+    if least <= 1 or not any(0 < b < least for b in sizes):
+        return tuple(sizes)
+    total = sum(sizes)
+    snapped = [0 if b == 0 or 2 * b < least else max(b, least) for b in sizes]
+    if not any(snapped):  # every rank below half of the least size: the largest trains alone
+        largest = max(range(len(sizes)), key=lambda r: (sizes[r], -r))
+        snapped[largest] = total
+        return tuple(snapped)
+    scale = total / sum(snapped)
+    lower = [least if b > 0 else 0 for b in snapped]
+    caps: list[int | None] = [upper if b > 0 else 0 for b in snapped]
+    return round_to_total([b * scale for b in snapped], total, lower, caps)
+
+
 def split_in_proportion(
     total: int, weights: Sequence[float], lower: Sequence[int], upper: Sequence[int | None]
 ) -> tuple[int, ...]:

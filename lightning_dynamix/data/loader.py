@@ -30,7 +30,7 @@ from torch.utils.data import (
 )
 
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
-from lightning_dynamix.data.schedule import BatchSizes, validate_batch_sizes
+from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size, validate_batch_sizes
 
 if TYPE_CHECKING:
     from lightning_dynamix.metrics.timers import StepClock
@@ -219,13 +219,15 @@ def new_sampler_for(
     shuffle: bool = True,
     seed: int = 0,
     drop_last: bool = False,
+    least_batch_size: int = 1,
     owner: str,
     instead: str,
 ) -> HeterogeneousBatchSampler:
     """A :class:`HeterogeneousBatchSampler` over a plain ``DataLoader``'s dataset, for rank ``rank``.
 
     ``batch_sizes=None`` gives every rank the DataLoader's ``batch_size``; the DataLoader's own
-    ``drop_last`` is honoured. The DataLoader must be a plain torch ``DataLoader`` over a map-style
+    ``drop_last`` is honoured; a size between 0 and ``least_batch_size`` is refused. The DataLoader
+    must be a plain torch ``DataLoader`` over a map-style
     dataset with the default samplers, whose order the global schedule replaces.
 
     Raises:
@@ -263,6 +265,7 @@ def new_sampler_for(
         min_batch_size=min_batch_size,
         max_batch_size=max_batch_size,
     )
+    check_least_batch_size(sizes, least_batch_size, argument)
     return HeterogeneousBatchSampler(
         dataset,  # type: ignore[arg-type]
         sizes,
@@ -271,4 +274,5 @@ def new_sampler_for(
         shuffle=shuffle,
         seed=seed,
         drop_last=drop_last or dataloader.drop_last,
+        least_batch_size=least_batch_size,
     )

@@ -142,6 +142,10 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         seed: base seed of the epoch order; must be the same on all ranks.
         drop_last: skip the fewer than ``sum(batch_sizes)`` samples left at the end of an epoch
             instead of spreading them over a final step (see :mod:`lightning_dynamix.data.schedule`).
+        least_batch_size: the fewest samples a rank that trains gets, the epoch's final step included:
+            2 for a model whose BatchNorm needs more than one sample (see
+            :func:`~lightning_dynamix.distributed.batch_norm.least_batch_size`); every size > 0 must be
+            at least this.
 
     Steps are counted within an epoch from 0, like Lightning's ``batch_idx``. Call
     :meth:`set_epoch` between epochs (Lightning does it through ``sampler.set_epoch``); a new
@@ -162,6 +166,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        least_batch_size: int = 1,
     ) -> None:
         num_samples = _dataset_length(data_source)
         self.rank, self.world_size = _resolve_rank(rank, world_size)
@@ -181,7 +186,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         )
         self.cut_world_size = self.world_size
         """The world size whose cut of every epoch this job keeps: the one it started with (see ``schedule``)."""
-        self._schedule = EpochSchedule(num_samples, sizes, drop_last=self.drop_last)
+        self.least_batch_size = least_batch_size
+        self._schedule = EpochSchedule(num_samples, sizes, drop_last=self.drop_last, least_batch_size=least_batch_size)
         self._schedule_epoch = 0
         self._next_epoch_sizes: BatchSizes | None = None
         self._pass_start = 0  # first step of the current pass over the schedule
@@ -204,7 +210,11 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
     def _new_schedule(self) -> None:
         sizes = self._next_epoch_sizes or self._schedule.latest_batch_sizes
         self._schedule = EpochSchedule(
-            self.num_samples, sizes, drop_last=self.drop_last, cut_world_size=self.cut_world_size
+            self.num_samples,
+            sizes,
+            drop_last=self.drop_last,
+            cut_world_size=self.cut_world_size,
+            least_batch_size=self.least_batch_size,
         )
         self._next_epoch_sizes = None
         self._pass_start = self._produced = self._consumed = 0
@@ -403,6 +413,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             [(segments[0][0], segments[0][1], first_cursor), *segments[1:]],
             drop_last=self.drop_last,
             cut_world_size=cut,
+            least_batch_size=self.least_batch_size,
         )
         step = int(state_dict["step"])
         if not saved.first_step <= step <= len(saved):

@@ -12,16 +12,19 @@ its slice in rank order. The last step of an epoch is special:
   behind is the last one and takes everything that is left, ``R``. ``reserve`` is the world size,
   or, in a job resumed on other ranks, the larger of the world size and the world size the job
   started with (``cut_world_size``), so that a job resumed on fewer ranks cuts its epochs where
-  the uninterrupted job would have:
+  the uninterrupted job would have; times ``least_batch_size`` for a model that needs more than one
+  sample on every rank that trains (BatchNorm: 2):
 
   - ``R >= sum(b)`` (fewer than ``reserve`` extra samples): every rank gets ``b_r`` and the
     ``R - sum(b)`` extra samples go one each to the ranks with the largest batch sizes (ties to
     the lower rank), round after round when there are more extra samples than ranks. No rank
     gets more than one sample above its size unless the job runs on fewer ranks than it started with.
-  - ``world_size <= R < sum(b)`` (a short tail): every rank gets one sample and the rest is split
-    in proportion to ``b_r - 1`` by largest remainders. No rank gets more than ``b_r``.
+  - ``reserve <= R < sum(b)`` (a short tail): every rank gets ``least_batch_size`` samples (one
+    by default) and the rest is split in proportion to ``b_r - least_batch_size`` by largest
+    remainders. No rank gets more than ``b_r``.
 
-  So every rank gets at least one sample at every step and every sample is used exactly once.
+  So every rank that trains gets at least ``least_batch_size`` samples at every step and every sample
+  is used exactly once.
   A rank whose size is 0 (it sits out, see ``min_batch_size=0``) keeps 0 in the final step as
   well: the extra samples go to the ranks that train, so one of them may get more than one
   sample above its size.
@@ -100,18 +103,20 @@ def split_exactly(split: Callable[[int], Sequence[int]], total: int, world_size:
     return sizes
 
 
-def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
+def final_step_sizes(batch_sizes: BatchSizes, remaining: int, least_batch_size: int = 1) -> BatchSizes:
     """Per-rank sizes of the last step of an epoch that takes all ``remaining`` samples.
 
-    Ranks with size 0 sit this step out too. ``remaining`` must be at least the number of ranks
-    that train; past ``sum(batch_sizes)`` the extra samples go one each to the largest sizes,
-    round after round.
+    Ranks with size 0 sit this step out too. ``remaining`` must be at least ``least_batch_size`` per
+    rank that trains (every size > 0 is at least that); past ``sum(batch_sizes)`` the extra samples go
+    one each to the largest sizes, round after round.
     """
     training = [r for r, b in enumerate(batch_sizes) if b > 0]
     total = sum(batch_sizes)
-    if remaining < len(training):
+    least = least_batch_size
+    if remaining < least * len(training):
         raise ValueError(
-            f"a final step must hold at least {len(training)} samples (one per rank that trains), got {remaining}"
+            f"a final step must hold at least {least * len(training)} samples ({least} per rank that trains),"
+            f" got {remaining}"
         )
     if remaining >= total:
         rounds, extra = divmod(remaining - total, len(training))
@@ -121,17 +126,35 @@ def final_step_sizes(batch_sizes: BatchSizes, remaining: int) -> BatchSizes:
         for r in order[:extra]:
             sizes[r] += 1
         return tuple(sizes)
-    # a short tail: one sample each, the rest in proportion to b_r - 1 (so no rank exceeds b_r)
-    rest = remaining - len(training)
-    weights = [max(b - 1, 0) for b in batch_sizes]
-    weight_sum = total - len(training)  # > 0 here, since remaining < total
+    # a short tail: `least` samples each, the rest in proportion to b_r - least (so no rank exceeds b_r)
+    rest = remaining - least * len(training)
+    weights = [max(b - least, 0) if b > 0 else 0 for b in batch_sizes]
+    weight_sum = total - least * len(training)  # > 0 here, since remaining < total
     shares = [rest * w // weight_sum for w in weights]
     fractions = [rest * w % weight_sum for w in weights]
     leftover = rest - sum(shares)
     order = sorted(training, key=lambda r: (-fractions[r], r))
     for r in order[:leftover]:
         shares[r] += 1
-    return tuple(1 + s if b > 0 else 0 for s, b in zip(shares, batch_sizes, strict=True))
+    return tuple(least + s if b > 0 else 0 for s, b in zip(shares, batch_sizes, strict=True))
+
+
+def check_least_batch_size(
+    sizes: Sequence[int], least_batch_size: int, argument: str = "batch_sizes", reason: str | None = None
+) -> None:
+    """Refuse a size between 0 and ``least_batch_size`` (a rank that trains gets at least that many samples).
+
+    Raises:
+        ValueError: naming ``argument``, the sizes, the least size and ``reason`` (why the model needs it).
+    """
+    if isinstance(least_batch_size, bool) or not isinstance(least_batch_size, int) or least_batch_size < 1:
+        raise ValueError(f"`least_batch_size` must be an int >= 1 (samples), got {least_batch_size!r}")
+    if any(0 < b < least_batch_size for b in sizes):
+        why = f": {reason}" if reason else ""
+        raise ValueError(
+            f"`{argument}` must give every rank that trains at least {least_batch_size} samples (or 0 to sit the"
+            f" step out, with min_batch_size=0), got {list(sizes)!r}{why}."
+        )
 
 
 @dataclass(frozen=True)
@@ -156,12 +179,21 @@ class EpochSchedule:
         drop_last: skip the incomplete last step instead of spreading it.
         cut_world_size: the world size whose cut of the epoch this schedule keeps (see the module
             docstring); default: this schedule's own world size.
+        least_batch_size: the fewest samples a rank that trains gets, the final step included (a model
+            with BatchNorm needs 2); every size > 0 must be at least this.
     """
 
     def __init__(
-        self, num_samples: int, batch_sizes: BatchSizes, *, drop_last: bool = False, cut_world_size: int | None = None
+        self,
+        num_samples: int,
+        batch_sizes: BatchSizes,
+        *,
+        drop_last: bool = False,
+        cut_world_size: int | None = None,
+        least_batch_size: int = 1,
     ) -> None:
         sizes = validate_batch_sizes(batch_sizes, min_batch_size=0)
+        check_least_batch_size(sizes, least_batch_size)
         if num_samples < sum(sizes):
             raise ValueError(
                 f"the dataset ({num_samples} samples) is smaller than one global batch"
@@ -171,8 +203,9 @@ class EpochSchedule:
         self.world_size = len(sizes)
         self.drop_last = drop_last
         self.cut_world_size = self.world_size if cut_world_size is None else cut_world_size
-        # the fewest samples the final step holds: every rank gets one, and the cut stays the original job's
-        self.reserve = max(self.world_size, self.cut_world_size)
+        self.least_batch_size = least_batch_size
+        # the fewest samples the final step holds: every rank gets `least`, and the cut stays the original job's
+        self.reserve = max(self.world_size, self.cut_world_size) * least_batch_size
         self._segments: list[_Segment] = [_Segment(0, sizes, sum(sizes), 0)]
         self._starts: list[int] = [0]
         self._length: int | None = None
@@ -185,6 +218,7 @@ class EpochSchedule:
         *,
         drop_last: bool = False,
         cut_world_size: int | None = None,
+        least_batch_size: int = 1,
     ) -> EpochSchedule:
         """Rebuild a schedule from its :attr:`segments` (as saved in a state dict).
 
@@ -198,7 +232,13 @@ class EpochSchedule:
         start_cursor = int(first[2]) if len(first) > 2 else 0  # type: ignore[misc]
         if (int(first[0]) == 0) != (start_cursor == 0) or start_cursor < 0:
             raise ValueError(f"a schedule's first segment must start at step 0 or give its cursor, got {first!r}")
-        schedule = cls(num_samples, tuple(first[1]), drop_last=drop_last, cut_world_size=cut_world_size)
+        schedule = cls(
+            num_samples,
+            tuple(first[1]),
+            drop_last=drop_last,
+            cut_world_size=cut_world_size,
+            least_batch_size=least_batch_size,
+        )
         schedule._begin_at(int(first[0]), start_cursor)
         for segment in segments[1:]:
             start, sizes = int(segment[0]), tuple(segment[1])
@@ -260,17 +300,24 @@ class EpochSchedule:
         for seg in self._segments[first:]:
             sizes = split_exactly(split, seg.total, world_size)
             if schedule is None:
-                schedule = EpochSchedule(self.num_samples, sizes, drop_last=self.drop_last, cut_world_size=cut)
+                schedule = EpochSchedule(
+                    self.num_samples,
+                    sizes,
+                    drop_last=self.drop_last,
+                    cut_world_size=cut,
+                    least_batch_size=self.least_batch_size,
+                )
                 schedule._begin_at(from_step, cursor)
             else:
                 schedule.change(seg.start_step, sizes)
         assert schedule is not None  # a schedule always has a segment in force
         left = self.num_samples - cursor
-        if not self.drop_last and 0 < left < schedule.world_size:
+        least = self.least_batch_size
+        if not self.drop_last and 0 < left < schedule.world_size * least:
             raise ValueError(
                 f"the epoch has {left} samples left at step {from_step}, fewer than the {schedule.world_size} new"
-                f" ranks: every rank must train at least one sample per step. Resume this epoch on at most {left}"
-                " ranks, or from a checkpoint taken at another step."
+                f" ranks need: every rank must train at least {least} sample{'s' if least > 1 else ''} per step."
+                f" Resume this epoch on at most {left // least} ranks, or from a checkpoint taken at another step."
             )
         return schedule
 
@@ -321,7 +368,7 @@ class EpochSchedule:
         remaining = self.num_samples - cursor
         if self.drop_last or remaining >= seg.total + self.reserve:
             return cursor, seg.batch_sizes
-        return cursor, final_step_sizes(seg.batch_sizes, remaining)
+        return cursor, final_step_sizes(seg.batch_sizes, remaining, self.least_batch_size)
 
     def change(self, from_step: int, batch_sizes: BatchSizes) -> bool:
         """Use ``batch_sizes`` from ``from_step`` on; later changes already scheduled are dropped.
@@ -329,6 +376,7 @@ class EpochSchedule:
         Returns False, changing nothing, when ``from_step`` is at or past the end of this epoch.
         """
         sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
+        check_least_batch_size(sizes, self.least_batch_size)
         if from_step < self.first_step:
             raise ValueError(f"`from_step` must be >= {self.first_step}, got {from_step}")
         if sum(sizes) > self.num_samples:

@@ -41,10 +41,12 @@ from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix._layers import mlp
+from lightning_dynamix.data.images import ResNet
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerName = Literal["sgd", "adam"]
-ArchitectureName = Literal["mlp", "transformer"]
+ArchitectureName = Literal["mlp", "transformer", "resnet"]
+ARCHITECTURES: tuple[str, ...] = ("mlp", "transformer", "resnet")
 
 DEFAULT_TARGET_ACCURACY = 0.85
 """Validation accuracy that the default workload reaches after several epochs with a decent configuration."""
@@ -326,7 +328,10 @@ class ClassificationTask(LightningModule):
         sync_train_loss: average the logged training loss over ranks at every step
             (one extra all-reduce per step).
         architecture: ``"mlp"``, or ``"transformer"`` for a :class:`FeatureTransformer` (another
-            model family, for measuring how policies and controllers transfer).
+            model family, for measuring how policies and controllers transfer), or ``"resnet"`` for a
+            :class:`~lightning_dynamix.data.images.ResNet` with BatchNorm over images of
+            :class:`~lightning_dynamix.data.images.ImageClassificationDataModule` (``hidden`` is its first
+            stage's width; ``num_features`` and ``depth`` do not apply).
     """
 
     def __init__(
@@ -355,8 +360,8 @@ class ClassificationTask(LightningModule):
         require_number("weight_decay", weight_decay, 0.0)
         if seed is not None:
             require_int("seed", seed, 0)
-        if architecture not in ("mlp", "transformer"):
-            raise ValueError(f"`architecture` must be 'mlp' or 'transformer', got {architecture!r}")
+        if architecture not in ARCHITECTURES:
+            raise ValueError(f"`architecture` must be one of {list(ARCHITECTURES)}, got {architecture!r}")
         if architecture == "transformer":
             require_int("depth", depth, 1)
         self.save_hyperparameters()
@@ -364,6 +369,8 @@ class ClassificationTask(LightningModule):
         def build() -> nn.Module:
             if architecture == "transformer":
                 return FeatureTransformer(num_features, num_classes, hidden, depth)
+            if architecture == "resnet":
+                return ResNet(num_classes, width=hidden)
             return mlp([num_features, *[hidden] * depth, num_classes])
 
         if seed is None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,20 +53,28 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_dynamix._checks import require_int, require_optional_int
+from lightning_dynamix._checks import require_bool, require_int, require_optional_int
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
-from lightning_dynamix.data.schedule import BatchSizes
+from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
     let_backend_threads_finish,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
+    training_ranks_groups,
     weighted_allreduce_hook,
     zero_gradient_loss,
+)
+from lightning_dynamix.distributed.batch_norm import (
+    broadcast_batch_norm_statistics,
+    convert_batch_norm,
+    fit_least_batch_size,
+    has_global_batch_norm,
+    set_statistics_group,
 )
 from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, ResumeWeights, gather_machine_ids, resume_sampler
@@ -100,6 +108,8 @@ class PreparedTrainLoader(DataLoaderStateMixin):
         self.gradient_state = GradientState()
         self._epoch = 0
         self._epoch_set = False
+        self.on_batch: Callable[[], None] | None = None
+        """Called on every rank as each batch is handed out, before the forward pass (the sizes are known)."""
 
     @property
     def batch_sampler(self) -> HeterogeneousBatchSampler:
@@ -134,6 +144,8 @@ class PreparedTrainLoader(DataLoaderStateMixin):
             for batch in self.loader:
                 # the schedule says whether this is the last step (sizes can change only for steps not produced)
                 self.end_of_dataloader = self.loader.current_step + 1 >= len(self.batch_sampler)
+                if self.on_batch is not None:
+                    self.on_batch()
                 yield send_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
         finally:
             self.end()
@@ -159,7 +171,8 @@ class DynamixAccelerate:
         batch_sizes: samples per step of every rank, one per process; ``None`` gives every rank the
             training DataLoader's ``batch_size``.
         min_batch_size: smallest size a rank may be given (>= 0); 0 lets a rank sit steps out
-            (:attr:`sits_out`, :meth:`zero_loss`).
+            (:attr:`sits_out`, :meth:`zero_loss`). Default: 1, or 2 for a model with BatchNorm (without
+            ``sync_batchnorm``); a smaller one such a model cannot train is refused at :meth:`prepare`.
         max_batch_size: largest size a rank may be given (>= 1); ``None`` for no limit.
         loss_reduction: ``"mean"`` if the training loss averages over the rank's samples (the
             usual case), ``"sum"`` if it sums them.
@@ -190,6 +203,9 @@ class DynamixAccelerate:
             there too. ``None`` (default): SIGTERM is left alone.
         preemption_check_interval: optimizer steps between two checks for a notice (each starts a
             non-blocking all-reduce of one number and reads the previous one's).
+        sync_batchnorm: make every BatchNorm layer of the model a
+            :class:`~lightning_dynamix.distributed.batch_norm.GlobalBatchNorm` at :meth:`prepare`: statistics of
+            the whole global batch, whatever the split, so the job trains what one process trains on it.
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for bad arguments, an
@@ -202,7 +218,7 @@ class DynamixAccelerate:
         accelerator: Any,
         batch_sizes: Sequence[int] | None = None,
         *,
-        min_batch_size: int = 1,
+        min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         loss_reduction: str = "mean",
         shuffle: bool = True,
@@ -219,6 +235,7 @@ class DynamixAccelerate:
         finetune: bool = False,
         save_on_preemption: str | os.PathLike | None = None,
         preemption_check_interval: int = 1,
+        sync_batchnorm: bool = False,
     ) -> None:
         from accelerate import Accelerator
 
@@ -247,7 +264,16 @@ class DynamixAccelerate:
             )
         self.accelerator = accelerator
         let_backend_threads_finish()
-        self.min_batch_size = require_int("min_batch_size", min_batch_size, 0)
+        require_optional_int("min_batch_size", min_batch_size, 0)
+        self._min_batch_size_given = min_batch_size
+        min_batch_size = 1 if min_batch_size is None else min_batch_size
+        self.min_batch_size = min_batch_size
+        self.least_batch_size = max(min_batch_size, 1)
+        """The smallest size a rank that trains may be given: ``min_batch_size``, raised at :meth:`prepare` to what
+        the model's batch-dependent layers need (2 for BatchNorm; with ``min_batch_size=0`` a rank may sit out)."""
+        self._least_reason: str | None = None
+        self.sync_batchnorm = require_bool("sync_batchnorm", sync_batchnorm)
+        self._global_batch_norm = False
         self.max_batch_size = require_optional_int(
             "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
         )
@@ -329,6 +355,7 @@ class DynamixAccelerate:
                     " its all-reduce cannot be weighted any more. Pass the plain model: dynamix.prepare(model, ...)"
                     " instead of accelerator.prepare(model) first."
                 )
+        objects = tuple(self._fit_batch_dependent_layers(o) for o in objects)
         loader = self._train_loader(objects[train_index]) if train_index is not None else None
         rest = [o for i, o in enumerate(objects) if i != train_index]
         prepared: list[Any] = []
@@ -354,6 +381,26 @@ class DynamixAccelerate:
             self.accelerator.register_for_checkpointing(self)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
+    def _fit_batch_dependent_layers(self, obj: Any) -> Any:
+        """A model: its BatchNorm made global with ``sync_batchnorm``, and the least size raised to what it needs."""
+        if not isinstance(obj, torch.nn.Module) or isinstance(obj, DistributedDataParallel):
+            return obj
+        if self.sync_batchnorm:
+            obj = convert_batch_norm(obj)
+            self._global_batch_norm = has_global_batch_norm(obj)
+        self.min_batch_size, self.least_batch_size, self._least_reason = fit_least_batch_size(
+            obj, self.accelerator.num_processes, self._min_batch_size_given, self._initial_sizes, "DynamixAccelerate"
+        )
+        return obj
+
+    def _on_batch(self) -> None:
+        """Before a step's forward pass: GlobalBatchNorm gathers over the processes that train it, timed as waiting."""
+        assert self.train_loader is not None
+        sizes = self.train_loader.loader.current_batch_sizes
+        group = training_ranks_groups().prepare(sizes)
+        clock = self.meter.clock if self.meter is not None else None
+        set_statistics_group(group, clock.collective if clock is not None else None)
+
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
         sampler = new_sampler_for(
             dataloader,
@@ -365,12 +412,15 @@ class DynamixAccelerate:
             shuffle=self.shuffle,
             seed=self.seed,
             drop_last=self.drop_last,
+            least_batch_size=self.least_batch_size,
             owner="DynamixAccelerate",
             instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
         loader = HeterogeneousDataLoader.like(dataloader, sampler)
         loader.resume = functools.partial(self._resume_sampler, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
+        if self._global_batch_norm:
+            self.train_loader.on_batch = self._on_batch
         return self.train_loader
 
     def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
@@ -436,6 +486,8 @@ class DynamixAccelerate:
         if syncing:
             self.hook_state.weight = self._weighting.sync_weight()
         self.accelerator.backward(loss, **kwargs)
+        if self._global_batch_norm and min(sizes) == 0:  # a process without samples missed the statistics' update
+            broadcast_batch_norm_statistics(self.model, src=next(r for r, b in enumerate(sizes) if b > 0))
         if self.meter is not None:
             assert self.meter.clock is not None
             self.meter.clock.backward_end()
@@ -485,6 +537,7 @@ class DynamixAccelerate:
             lr=float(groups[0]["lr"]) if groups else float("nan"),
             sizes=loader.current_batch_sizes if loader.current_step >= 0 else current,
             bounds=(self.min_batch_size, self.max_batch_size),
+            least_batch_size=self.least_batch_size,
             device=self.accelerator.device,
         )
         if self.maker.base_global_batch is None:
@@ -550,6 +603,7 @@ class DynamixAccelerate:
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
         )
+        check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
         return set_batch_sizes_on_every_rank(self.train_loader.batch_sampler, sizes, device=self.accelerator.device)
 
     # ------------------------------------------------------------------ checkpointing

@@ -171,6 +171,8 @@ class ClusterState:
         lr: the learning rate of the first parameter group (NaN if not known).
         min_batch_size: the smallest size any rank may be given.
         max_batch_size: the largest size any rank may be given; ``None`` for no limit.
+        least_batch_size: the smallest size a rank that trains may be given (with ``min_batch_size=0``,
+            the sizes between 0 and this are not allowed): 2 for a model with BatchNorm.
     """
 
     workers: tuple[WorkerMetrics, ...]
@@ -182,6 +184,7 @@ class ClusterState:
     lr: float = NAN
     min_batch_size: int = 1
     max_batch_size: int | None = None
+    least_batch_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.workers:

@@ -30,6 +30,14 @@ the epoch.
 Scalars logged with ``self.log(..., sync_dist=True)`` from ``training_step`` are averaged over
 ranks weighted by each rank's batch size; epoch aggregates are weighted by Lightning itself.
 
+A model with BatchNorm (of any dimension) needs at least 2 samples on every rank that trains: at set-up the
+strategy finds such layers and raises its smallest size to what they need (with ``min_batch_size=0``, the
+smallest size of a rank that trains; it may still sit out), and refuses an explicit smaller
+``min_batch_size`` or ``batch_sizes``. With ``Trainer(sync_batchnorm=True)`` every BatchNorm layer becomes a
+:class:`~lightning_dynamix.distributed.batch_norm.GlobalBatchNorm`: its statistics are those of the whole
+global batch, whatever the split (torch's ``SyncBatchNorm`` needs GPUs and the same ranks at every step), so the
+job trains the model one process trains on the global batch, and a rank may train a single sample again.
+
 For the callbacks that measure the cluster, the strategy can time every step
 (:meth:`~HeterogeneousDDPStrategy.enable_step_clock`) and report the squared gradient norms of
 each synchronisation (:meth:`~HeterogeneousDDPStrategy.enable_gradient_norms`); both are off
@@ -39,12 +47,14 @@ unless asked for, and neither adds a collective.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -60,7 +70,7 @@ from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
-from lightning_dynamix.data.schedule import BatchSizes
+from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
 from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
@@ -77,9 +87,13 @@ from lightning_dynamix.distributed import (
     weighted_mean_all_reduce,
     zero_gradient_loss,
 )
+from lightning_dynamix.distributed.batch_norm import fit_least_batch_size, has_global_batch_norm, statistics_over
 from lightning_dynamix.elastic import ResumeWeights, resume_sampler
 from lightning_dynamix.metrics.timers import StepClock
+from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
+
+log = logging.getLogger(__name__)
 
 GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
 
@@ -100,7 +114,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         batch_sizes: one initial batch size per rank; default: the training DataLoader's
             ``batch_size`` on every rank.
         min_batch_size: the smallest size any rank may be given; 0 lets a rank sit steps out (see
-            above).
+            above). Default: 1, or 2 for a model with BatchNorm (without ``sync_batchnorm``).
         max_batch_size: the largest size any rank may be given, at least 1; ``None`` for no limit.
             (The last step of an epoch may give a rank one sample more, or a few more where ranks
             sit out; see :mod:`lightning_dynamix.data.schedule`.)
@@ -122,8 +136,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             unsupported DDP argument.
         MisconfigurationException: at set-up, for a number of sizes other than the world size,
             an iterable-style dataset, a dataset smaller than one global batch, a custom sampler
-            or batch sampler, more than one training DataLoader, or manual optimisation with
-            ``min_batch_size=0``.
+            or batch sampler, more than one training DataLoader, manual optimisation with
+            ``min_batch_size=0``, or a ``min_batch_size`` or size a model's BatchNorm layer cannot train
+            (naming the layer).
     """
 
     strategy_name = STRATEGY_NAME
@@ -131,7 +146,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def __init__(
         self,
         batch_sizes: Sequence[int] | None = None,
-        min_batch_size: int = 1,
+        min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         loss_reduction: LossReduction = "mean",
         shuffle: bool = True,
@@ -146,12 +161,18 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                     " weighted all-reduce hook; wrap it with `ddp_comm_wrapper` (e.g. fp16 compression)"
                     f" instead, or use Lightning's DDPStrategy. Got {name}={ddp_kwargs[name]!r}."
                 )
-        require_int("min_batch_size", min_batch_size, 0)
+        require_optional_int("min_batch_size", min_batch_size, 0)
+        self._min_batch_size_given = min_batch_size
+        min_batch_size = 1 if min_batch_size is None else min_batch_size
         require_optional_int(
             "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
         )
         require_int("seed", seed, None)
         self.min_batch_size = min_batch_size
+        self.least_batch_size = max(min_batch_size, 1)
+        """The smallest size a rank that trains may be given: ``min_batch_size``, or with ``min_batch_size=0``
+        1, raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm)."""
+        self._least_reason: str | None = None
         self.max_batch_size = max_batch_size
         self._batch_sizes: BatchSizes | None = None
         if batch_sizes is not None:
@@ -172,17 +193,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         # and whether this rank skips the step being trained
         self._stale: set[int] = set()
         self._left_step = False
+        self._global_batch_norm = False
         self.resume_weights: ResumeWeights | None = None
         """Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of
         ranks (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly."""
 
     def _validate_sizes(self, batch_sizes: object, world_size: int | None) -> BatchSizes:
-        return validate_batch_sizes(
+        sizes = validate_batch_sizes(
             batch_sizes,
             world_size=world_size,
             min_batch_size=self.min_batch_size,
             max_batch_size=self.max_batch_size,
         )
+        check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
+        return sizes
 
     # ------------------------------------------------------------------ public API
     @property
@@ -280,6 +304,35 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ DDP set-up
     @override
+    def setup(self, trainer: Any) -> None:
+        sync = isinstance(_compat.layer_sync(self), TorchSyncBatchNorm) and trainer.state.fn == TrainerFn.FITTING
+        if sync:  # torch's SyncBatchNorm needs GPUs and one group for good; ours any device and the ranks that train
+            _compat.set_layer_sync(self, GlobalBatchNormSync())
+            given = self._ddp_kwargs.get("broadcast_buffers")
+            if given and self.min_batch_size == 0:
+                raise MisconfigurationException(
+                    "HeterogeneousDDPStrategy(broadcast_buffers=True) with sync_batchnorm=True and min_batch_size=0:"
+                    " a rank that sits steps out holds stale running statistics, and DDP would broadcast them from"
+                    " rank 0. Leave broadcast_buffers unset (the synchronised statistics are the same on every rank)."
+                )
+            self._ddp_kwargs.setdefault("broadcast_buffers", False)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._fit_batch_dependent_layers()
+
+    def _fit_batch_dependent_layers(self) -> None:
+        """Raise the smallest size to what the model's batch-dependent layers need; refuse an explicit smaller one."""
+        module = self.lightning_module
+        assert module is not None
+        try:
+            low, least, reason = fit_least_batch_size(
+                module, self.world_size, self._min_batch_size_given, self._batch_sizes, "HeterogeneousDDPStrategy"
+            )
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
+        self.min_batch_size, self.least_batch_size, self._least_reason = low, least, reason
+
+    @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
         self._weighting = SyncWindowWeighting(self.global_rank, self.loss_reduction)
@@ -319,6 +372,12 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 raise MisconfigurationException(
                     f"The training DataLoader's HeterogeneousBatchSampler is for rank {existing.rank} of"
                     f" {existing.world_size}, but this process is rank {self.global_rank} of {self.world_size}."
+                )
+            if existing.least_batch_size < self.least_batch_size:
+                raise MisconfigurationException(
+                    f"The training DataLoader's HeterogeneousBatchSampler has least_batch_size="
+                    f"{existing.least_batch_size}, but {self._least_reason}: build it with"
+                    f" least_batch_size={self.least_batch_size}."
                 )
             sampler = existing
         else:
@@ -362,6 +421,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 shuffle=self.shuffle,
                 seed=self.seed,
                 drop_last=self.drop_last,
+                least_batch_size=self.least_batch_size,
                 owner="HeterogeneousDDPStrategy",
                 instead="Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader yourself and"
                 " train with Trainer(use_distributed_sampler=False).",
@@ -400,6 +460,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         self._stale.clear()
+        self._global_batch_norm = has_global_batch_norm(self.lightning_module)
         trainer = self.lightning_module.trainer
         if self.min_batch_size == 0 and not any(isinstance(c, EpochMetricsAgreement) for c in trainer.callbacks):
             # a rank that sits out logs nothing from training_step: the epoch's reductions must still pair up
@@ -426,16 +487,23 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             # every rank, those that sit out too, agrees on the group of the ranks that train, before they use it
             group = training_ranks_groups().prepare(sizes, self._timeout)
             out = self._ranks_leaving(sizes)
-            if self._stale - out:  # a rank that skipped steps trains again: it needs the others' state first
+            # with GlobalBatchNorm a rank without samples misses the running statistics' update, left or joined
+            out_of_step = {r for r, b in enumerate(sizes) if b == 0} if self._global_batch_norm else out
+            if self._stale - out_of_step:  # a rank that skipped steps trains again: it needs the others' state first
                 self._sync_stale_ranks()
-            self._stale |= out  # they miss this step's update
+            self._stale |= out_of_step  # they miss this step's update
             if loader.sits_out:
                 return self._loss_without_samples(left=self.global_rank in out)
             # the ranks that train all-reduce among themselves while others are away
             self._hook_state.process_group = group if out else None
+            statistics = group  # None where every rank trains
+        else:
+            statistics = None
         self._in_training_step = True
         try:
-            return super().training_step(*args, **kwargs)
+            clock = self._step_clock.collective if self._step_clock is not None else None
+            with statistics_over(statistics, clock):  # GlobalBatchNorm's statistics: the ranks that train this step
+                return super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
 

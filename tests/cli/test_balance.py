@@ -182,3 +182,23 @@ def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unk
     assert step > 0
     refused = dynamix_here("bench", "sit-out", "--jobs", "everything", cwd=tmp_path, fails=True)
     assert "unknown job 'everything'" in refused
+
+
+def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_norm(tmp_path):
+    out = tmp_path / "resnet.json"
+    dynamix(
+        "bench", "balance", "--architecture", "resnet", "--hidden", "4", "--speeds", "1,8", "--controller", "pid",
+        "--batch-size", "8", "--steps", "20", "--interval", "3", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    decided = [i["next_batch_sizes"] for i in result["runs"]["pid"][0] if i["next_batch_sizes"]]
+    assert decided
+    assert all(min(s) >= 2 for s in decided)
+    assert result["runs"]["pid"][0]
+    assert result["config"]["architecture"] == "resnet"
+    printed = dynamix(
+        "bench", "tta", "--architecture", "resnet", "--hidden", "4", "--sync-batchnorm", "--controllers", "static",
+        "--seeds", "1", "--epochs", "1", "--batch-size", "32", "--target-accuracy", "0.2", cwd=tmp_path,
+    )  # fmt: skip
+    assert "resnet (hidden 4" in printed
+    assert "global BatchNorm" in printed

@@ -252,7 +252,7 @@ def test_datamodule_rejects_bad_arguments(arguments: dict[str, Any], message: st
         ({"optimizer": "rmsprop"}, "`optimizer` must be 'sgd' or 'adam', got 'rmsprop'"),
         ({"weight_decay": -0.1}, "`weight_decay` must be a finite number >= 0.0"),
         ({"seed": -3}, "`seed`"),
-        ({"architecture": "cnn"}, "`architecture` must be 'mlp' or 'transformer', got 'cnn'"),
+        ({"architecture": "cnn"}, "`architecture` must be one of \\['mlp', 'transformer', 'resnet'\\], got 'cnn'"),
         ({"architecture": "transformer", "depth": 0}, "`depth` must be an int >= 1"),
         ({"architecture": "transformer", "num_features": 30}, r"`num_features` \(30\) must be a multiple of"),
         ({"architecture": "transformer", "hidden": 30}, r"`hidden` \(30\) must be a multiple of 4"),
@@ -275,3 +275,30 @@ def test_the_one_mlp_builder_makes_every_model_s_layers_and_refuses_bad_widths()
         mlp([4])
     with pytest.raises(ValueError, match="got \\[4, 0\\]"):
         mlp([4, 0])
+
+
+def test_the_synthetic_images_are_the_seed_s_and_a_resnet_with_batch_norm_classifies_them():
+    from lightning_dynamix.data.images import ImageClassificationDataModule, ResNet, SyntheticImageDataset
+    from lightning_dynamix.data.workloads import ClassificationTask
+
+    first, again = SyntheticImageDataset(40, seed=3), SyntheticImageDataset(40, seed=3)
+    assert torch.equal(first.images, again.images)
+    assert torch.equal(first.labels, again.labels)
+    assert not torch.equal(first.images, SyntheticImageDataset(40, seed=4).images)
+    image, label = first[0]
+    assert image.shape == (3, 16, 16)
+    assert image.dtype == torch.float32
+    assert 0 <= int(label) < 10
+    data = ImageClassificationDataModule(num_samples=30, num_val_samples=10, batch_size=4, size=8)
+    train, val = data.train_dataloader(), data.val_dataloader()
+    assert len(train.dataset) == 30
+    assert len(val.dataset) == 10
+    assert next(iter(train))[0].shape == (4, 3, 8, 8)
+    task = ClassificationTask(architecture="resnet", hidden=4)
+    assert isinstance(task.network, ResNet)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in task.network.modules()) == 9
+    assert task(next(iter(train))[0]).shape == (4, 10)
+    with pytest.raises(ValueError, match=r"`max_shift` must be below `size` \(8\), got 8"):
+        SyntheticImageDataset(4, size=8, max_shift=8)
+    with pytest.raises(ValueError, match=r"`architecture` must be one of \['mlp', 'transformer', 'resnet'\]"):
+        ClassificationTask(architecture="vgg")

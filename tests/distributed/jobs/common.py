@@ -38,6 +38,22 @@ def make_network(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(NUM_FEATURES, 8), nn.Tanh(), nn.Linear(8, NUM_CLASSES)).double()
 
 
+def batch_norm_network(seed: int) -> nn.Module:
+    """4 features as a 1x2x2 image: a convolution and BatchNorm2d, then a linear layer and BatchNorm1d."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Unflatten(1, (1, 2, 2)),
+        nn.Conv2d(1, 3, kernel_size=1),
+        nn.BatchNorm2d(3),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(12, 6),
+        nn.BatchNorm1d(6, momentum=None),  # a cumulative average: num_batches_tracked must count alike
+        nn.Tanh(),
+        nn.Linear(6, 3),
+    ).double()
+
+
 def make_optimizer(name: str, params):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
