@@ -61,7 +61,7 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
         self,
         batch_sizes: Sequence[int] | None = None,
         *,
-        min_batch_size: int = 1,
+        min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         loss_reduction: LossReduction = "mean",
         shuffle: bool = True,
