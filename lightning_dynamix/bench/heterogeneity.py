@@ -71,6 +71,7 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
         action="store_true",
         help="BatchNorm over the global batch (Trainer(sync_batchnorm=True), GlobalBatchNorm); default: per rank",
     )
+    parser.add_argument("--num-samples", type=int, default=16384, help="training samples per epoch (default 16384)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", type=Path, default=None, help="also write a PNG of sizes and times here")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -310,6 +311,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         max_steps=args.steps,
         interval=args.interval,
         hidden=_hidden(args),
+        num_samples=args.num_samples,
         architecture=args.architecture,
         sync_batchnorm=args.sync_batchnorm,
         schedule=args.schedule,
@@ -464,6 +466,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         epochs=args.epochs,
         interval=args.interval,
         hidden=_hidden(args),
+        num_samples=args.num_samples,
         architecture=args.architecture,
         sync_batchnorm=args.sync_batchnorm,
         lr=args.lr,

@@ -198,7 +198,8 @@ def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_no
     assert result["config"]["architecture"] == "resnet"
     printed = dynamix(
         "bench", "tta", "--architecture", "resnet", "--hidden", "4", "--sync-batchnorm", "--controllers", "static",
-        "--seeds", "1", "--epochs", "1", "--batch-size", "32", "--target-accuracy", "0.2", cwd=tmp_path,
+        "--seeds", "1", "--epochs", "1", "--num-samples", "256", "--batch-size", "16", "--target-accuracy", "0.2",
+        cwd=tmp_path,
     )  # fmt: skip
     assert "resnet (hidden 4" in printed
     assert "global BatchNorm" in printed
