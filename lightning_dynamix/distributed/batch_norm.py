@@ -43,6 +43,7 @@ from torch.nn import Module
 
 from lightning_dynamix import _compat
 from lightning_dynamix.data.schedule import check_least_batch_size
+from lightning_dynamix.distributed.sit_out import broadcast_flat
 
 log = logging.getLogger(__name__)
 
@@ -305,14 +306,7 @@ def convert_batch_norm(module: Module) -> Module:
         converted = GlobalBatchNorm(
             module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
         )
-        if module.affine:
-            with torch.no_grad():
-                converted.weight = module.weight
-                converted.bias = module.bias
-        converted.running_mean = module.running_mean
-        converted.running_var = module.running_var
-        converted.num_batches_tracked = module.num_batches_tracked
-        converted.training = module.training
+        _take_state(converted, module)
         converted._replaced_class = type(module)  # type: ignore[assignment]
         if hasattr(module, "qconfig"):
             converted.qconfig = module.qconfig
@@ -324,20 +318,22 @@ def convert_batch_norm(module: Module) -> Module:
     return module
 
 
+def _take_state(new: Module, old: Module) -> None:
+    """``new`` holds ``old``'s parameters and statistics (the same tensors) and its training mode."""
+    if old.affine:
+        new.weight, new.bias = old.weight, old.bias
+    new.running_mean, new.running_var = old.running_mean, old.running_var
+    new.num_batches_tracked = old.num_batches_tracked
+    new.training = old.training
+
+
 def revert_batch_norm(module: Module) -> Module:
     """Undo :func:`convert_batch_norm`: every :class:`GlobalBatchNorm` it made becomes the class it replaced."""
     if isinstance(module, GlobalBatchNorm) and hasattr(module, "_replaced_class"):
         cls = module._replaced_class
         kwargs = {"num_features": module.num_features, "eps": module.eps, "momentum": module.momentum}
         reverted = cls(**kwargs, affine=module.affine, track_running_stats=module.track_running_stats)
-        if module.affine:
-            with torch.no_grad():
-                reverted.weight = module.weight
-                reverted.bias = module.bias
-        reverted.running_mean = module.running_mean
-        reverted.running_var = module.running_var
-        reverted.num_batches_tracked = module.num_batches_tracked
-        reverted.training = module.training
+        _take_state(reverted, module)
         return reverted
     for name, child in module.named_children():
         replacement = revert_batch_norm(child)
@@ -364,13 +360,4 @@ def broadcast_batch_norm_statistics(module: Module, src: int) -> None:
         for t in (layer.running_mean, layer.running_var, layer.num_batches_tracked)
         if t is not None
     ]
-    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for same in by_kind.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, src=src)
-        offset = 0
-        for tensor in same:
-            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-            offset += tensor.numel()
+    broadcast_flat(tensors, src)

@@ -245,6 +245,12 @@ def broadcast_training_state(
     tensors = [t.detach() for t in (*module.parameters(), *module.buffers())]
     for optimizer in optimizers:
         tensors += _optimizer_state_tensors(optimizer, src, group)
+    broadcast_flat(tensors, src, group)
+
+
+def broadcast_flat(tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup | None = None) -> None:
+    """Give every rank ``src``'s values of ``tensors`` (in place, a collective): one flat broadcast per device and
+    dtype."""
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.device, tensor.dtype), []).append(tensor)
