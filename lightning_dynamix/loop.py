@@ -23,9 +23,10 @@ import torch
 
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
-from lightning_dynamix.control.allocation import respect_least_batch_size
+from lightning_dynamix.control.allocation import respect_batch_size_caps, respect_least_batch_size
 from lightning_dynamix.distributed import broadcast_floats, gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
+from lightning_dynamix.metrics.memory import CudaMemoryReader, DeviceMemory, check_margin
 from lightning_dynamix.metrics.state import loss_slope
 
 log = logging.getLogger(__name__)
@@ -67,11 +68,21 @@ class IntervalMeter:
         warmup_steps: optimizer steps measured by nobody at the start (start-up is slow).
         gradient_noise_scale: also estimate the gradient noise scale (fed through :meth:`record_gradient_norms`).
         noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
+        memory_margin: on a GPU, the share of its memory kept free when the largest batch it holds is derived
+            from the measured peak bytes per sample (:class:`~lightning_dynamix.metrics.memory.DeviceMemory`);
+            ``None``: not measured.
     """
 
     def __init__(
-        self, interval: int = 10, warmup_steps: int = 5, gradient_noise_scale: bool = True, noise_scale_ema: float = 0.9
+        self,
+        interval: int = 10,
+        warmup_steps: int = 5,
+        gradient_noise_scale: bool = True,
+        noise_scale_ema: float = 0.9,
+        memory_margin: float | None = 0.1,
     ) -> None:
+        self.memory_margin = None if memory_margin is None else check_margin("memory_margin", memory_margin)
+        self.memory: DeviceMemory | None = None
         self.interval = require_int("interval", interval, 1)
         self.warmup_steps = require_int("warmup_steps", warmup_steps, 0)
         self.noise_scale = GradientNoiseScale(ema_decay=noise_scale_ema) if gradient_noise_scale else None
@@ -88,6 +99,8 @@ class IntervalMeter:
         """Training starts (or resumes) at optimizer step ``step`` on ``device``, timed by ``clock``."""
         self.clock = clock
         self._system = SystemMonitor(device.index if device.type == "cuda" else None)
+        if device.type == "cuda" and self.memory_margin is not None:
+            self.memory = DeviceMemory(CudaMemoryReader(device), self.memory_margin)
         if self.noise_scale is not None:
             self.noise_scale.to(device)
         self._last_step = step
@@ -107,7 +120,9 @@ class IntervalMeter:
         """A batch is over; ``step`` is the optimizer step count after it. True when the interval is due."""
         assert self.clock is not None, "IntervalMeter.start() was not called"
         self.clock.step_end()
-        sat_out = self.clock.last_step is not None and self.clock.last_step.batch_size == 0
+        sat_out = self.clock.last_batch_size == 0
+        if self.memory is not None and self.clock.last_batch_size is not None:
+            self.memory.step_end(self.clock.last_batch_size)
         if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not sat_out:  # no samples, no loss
             # summed on the loss's device: read back once per interval, not once per step
             if self._loss_sum is None:
@@ -129,6 +144,14 @@ class IntervalMeter:
         if self.noise_scale is not None:
             self.noise_scale.reset()
 
+    def _batch_size_cap(self, given: int | None) -> float:
+        """This rank's largest size: the tighter of ``given`` and its measured device memory; NaN for none."""
+        caps = [float(given)] if given is not None else []
+        measured = self.memory.cap() if self.memory is not None else NAN
+        if math.isfinite(measured):
+            caps.append(measured)
+        return min(caps) if caps else NAN
+
     def gather(
         self,
         *,
@@ -140,10 +163,13 @@ class IntervalMeter:
         bounds: tuple[int, int | None],
         device: torch.device,
         least_batch_size: int = 1,
+        batch_size_cap: int | None = None,
     ) -> ClusterState:
         """Every rank's interval into one :class:`ClusterState`: a collective, call it on all ranks.
 
-        ``sizes`` are the per-rank sizes in force, used for a rank that completed no step in the interval.
+        ``sizes`` are the per-rank sizes in force, used for a rank that completed no step in the interval;
+        ``batch_size_cap`` is the largest size this rank may train (a cap for its machine, or one lowered after
+        it ran out of memory), combined with what its device memory holds where that is measured.
         """
         assert self.clock is not None, "IntervalMeter.start() was not called"
         assert self._system is not None
@@ -169,6 +195,7 @@ class IntervalMeter:
             "cpu_time": summary.cpu_time,
             "cpu_quota": summary.cpu_quota,
             "least_sync_wait": summary.least_sync_wait,
+            "max_batch_size": self._batch_size_cap(batch_size_cap),
         }
         names = WorkerMetrics.float_fields()
         row = [float(batch_size), loss, *(values[name] for name in names)]
@@ -367,8 +394,11 @@ class DecisionMaker:
             )
         if getattr(self.controller, "uses_measurements", True):
             sizes = self._probe(current, sizes, low, high, 1.0 / state.throughput)
+        # no rank above what its memory holds, whatever a controller decided: the excess goes to the others
+        caps = state.batch_size_caps
+        sizes = list(respect_batch_size_caps(sizes, caps, [low] * len(sizes)))
         # a model with BatchNorm cannot train a rank on fewer than 2 samples: such a size becomes 0 or 2
-        sizes = list(respect_least_batch_size(sizes, state.least_batch_size, high))
+        sizes = list(respect_least_batch_size(sizes, state.least_batch_size, caps))
         if self.base_global_batch is None:
             self.base_global_batch = sum(current)
         scale = lr_scale(self.lr_scaling, sum(sizes), self.base_global_batch, state.gradient_noise_scale)

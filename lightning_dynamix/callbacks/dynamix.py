@@ -48,6 +48,9 @@ class DynamixCallback(ClusterMetricsMonitor):
         log_per_rank: log each rank's batch size, times and throughput.
         finetune: with ``controller="ppo"``, keep training the policy on this job's own decisions
             (PPO updates on rank 0); the updated policy is saved with the checkpoints.
+        memory_margin: on a GPU, the share of its memory kept free when the largest batch it holds is derived
+            from the peak bytes per sample measured; every decision keeps each rank within it (and within the
+            strategy's ``batch_size_caps``). ``None``: not measured.
 
     Raises:
         ValueError: for an unknown controller name or scaling rule, an interval < 1, bounds that
@@ -73,6 +76,7 @@ class DynamixCallback(ClusterMetricsMonitor):
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
         finetune: bool = False,
+        memory_margin: float | None = 0.1,
     ) -> None:
         require_optional_int("min_batch_size", min_batch_size, 0)
         require_optional_int("max_batch_size", max_batch_size, max(min_batch_size or 1, 1), "min_batch_size")
@@ -88,6 +92,7 @@ class DynamixCallback(ClusterMetricsMonitor):
             gradient_noise_scale=gradient_noise_scale,
             noise_scale_ema=noise_scale_ema,
             log_per_rank=log_per_rank,
+            memory_margin=memory_margin,
         )
         self.min_batch_size = min_batch_size
         self.max_batch_size = max_batch_size

@@ -18,6 +18,13 @@ everything, its host included, runs even an empty step slowly: emulate that with
 (``dynamix bench balance --contention quota``), not with this callback.
 
 Speeds can change at scheduled optimizer steps to emulate a slowdown or a recovery mid-run.
+
+On a GPU the CPU only queues the model's kernels, so a CPU sleep would slow the launches, not the device:
+the device catches up while the host sleeps. There the slowdown is a spin kernel queued on the rank's
+stream (:class:`CudaSpin`: ``torch.cuda._sleep`` for as many cycles as the device runs in the seconds
+wanted, calibrated at set-up), and its length is ``(factor - 1)`` times the rank's own compute at the
+batch size at hand as the step clock's device marks measured it (the median over recent steps, less
+the spin they held). Either way the step clock is told what was added (``StepRecord.slowdown``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -35,15 +43,70 @@ from typing_extensions import override
 
 from lightning_dynamix._checks import require_number
 from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
-from lightning_dynamix.metrics import StepClock
+from lightning_dynamix.metrics import StepClock, StepRecord
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
 _RECENT_STEPS = 5  # compute-to-forward ratios the next sleep is based on (their median)
 
 
+class CudaSpin:
+    """Device time on demand: a kernel that spins on the current stream of ``device`` for a given number of seconds.
+
+    ``torch.cuda._sleep(cycles)`` spins for a number of the device's clock cycles; the cycles per second are
+    measured at construction (the median of a few spins timed with CUDA events, after one to wake the clock).
+
+    Args:
+        device: the CUDA device to spin on.
+        calibration_s: seconds each calibration spin aims at.
+
+    Raises:
+        ValueError: ``device`` is not a CUDA device or CUDA is not available.
+    """
+
+    def __init__(self, device: torch.device | str, calibration_s: float = 0.02) -> None:
+        device = torch.device(device)
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"`device` must be an available CUDA device for CudaSpin, got {str(device)!r}")
+        self.device = device
+        cycles = 1_000_000
+        with torch.cuda.device(device):
+            torch.cuda._sleep(cycles)  # wakes the device's clock from idle
+            rates = []
+            for _ in range(5):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                torch.cuda._sleep(cycles)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1000.0
+                rates.append(cycles / seconds)
+                cycles = max(1, int(cycles * calibration_s / seconds))  # the next spin near the aim
+        self.cycles_per_s = statistics.median(rates[1:])
+
+    def spin(self, seconds: float) -> None:
+        """Queue ``seconds`` of spinning on the current stream (returns at once)."""
+        if seconds > 0:
+            with torch.cuda.device(self.device):
+                torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s)))
+
+
 def _slowdown(name: str, value: object) -> float:
     # sleeping can only slow a rank down: a factor below 1 could not be honoured
     return require_number(name, value, 1.0)
+
+
+def _memory_limits(limits: Sequence[int | None] | None, ranks: int) -> list[int | None] | None:
+    if limits is None:
+        return None
+    if isinstance(limits, str) or not isinstance(limits, Sequence) or len(limits) != ranks:
+        raise ValueError(
+            f"`memory_limits` must be a list with one limit (samples, or None) per rank, as `factors` has {ranks};"
+            f" got {limits!r}"
+        )
+    for rank, limit in enumerate(limits):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"`memory_limits[{rank}]` must be an int >= 1 (samples) or None, got {limit!r}")
+    return list(limits)
 
 
 class HeterogeneityEmulator(Callback):
@@ -54,18 +117,28 @@ class HeterogeneityEmulator(Callback):
             sleeping cannot make a rank faster, so factors below 1 are rejected).
         schedule: ``(step, rank, factor)`` entries: from optimizer step ``step`` on, rank ``rank``
             runs at ``factor``.
+        memory_limits: one entry per rank: the most samples its (emulated) device memory holds, ``None`` for no
+            limit. A step that gives the rank more raises ``torch.OutOfMemoryError`` as its backward starts, as a
+            device with less memory would (the strategy's recovery catches it; see
+            :mod:`~lightning_dynamix.strategies.memory_recovery`). Default: no limits.
 
     Raises:
         ValueError: for factors below 1 (or not finite), an empty ``factors``, or a schedule entry that is malformed or
-            names a rank that does not exist.
+            names a rank that does not exist; for memory limits that are not ints >= 1 or None, one per rank.
         MisconfigurationException: at set-up, if ``factors`` does not have one entry per rank or the
             strategy is not ``HeterogeneousDDPStrategy`` (whose step clock measures own compute).
     """
 
-    def __init__(self, factors: Sequence[float], schedule: Sequence[Sequence[float]] = ()) -> None:
+    def __init__(
+        self,
+        factors: Sequence[float],
+        schedule: Sequence[Sequence[float]] = (),
+        memory_limits: Sequence[int | None] | None = None,
+    ) -> None:
         if isinstance(factors, str) or not isinstance(factors, Sequence) or not factors:
             raise ValueError(f"`factors` must be a non-empty list with one factor per rank, got {factors!r}")
         self.factors = [_slowdown(f"factors[{i}]", f) for i, f in enumerate(factors)]
+        self.memory_limits = _memory_limits(memory_limits, len(self.factors))
         entries: list[tuple[int, int, float]] = []
         for i, entry in enumerate(schedule):
             if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
@@ -89,6 +162,9 @@ class HeterogeneityEmulator(Callback):
         self._slept = 0.0
         self._backward_seen = False  # the last step ran backward with samples: its compute time is a measurement
         self._strategy: HeterogeneousDDPStrategy | None = None
+        self._spin: CudaSpin | None = None  # on a GPU: the slowdown is device time
+        self._own: deque[tuple[int, float]] = deque(maxlen=4 * _RECENT_STEPS)  # (batch size, own device compute)
+        self._read: StepRecord | None = None
 
     def factor_at(self, rank: int, step: int) -> float:
         """Rank ``rank``'s factor at optimizer step ``step``."""
@@ -118,11 +194,19 @@ class HeterogeneityEmulator(Callback):
         self._strategy = strategy
         self._clock = strategy.enable_step_clock()
         self._rank = trainer.global_rank
+        if strategy.root_device.type == "cuda":
+            self._spin = CudaSpin(strategy.root_device)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         assert self._clock is not None
         last = self._clock.last_step
+        if self._spin is not None:
+            self._slept = 0.0
+            if last is not None and last is not self._read and last.batch_size > 0:  # read from the device since
+                self._own.append((last.batch_size, max(0.0, last.compute_time - last.slowdown)))
+            self._read = last
+            return
         if last is not None and self._backward_seen and self._forward > 0:
             self._ratios.append(max(0.0, last.compute_time - self._slept) / self._forward)
         self._slept, self._forward, self._backward_seen = 0.0, 0.0, False
@@ -132,6 +216,10 @@ class HeterogeneityEmulator(Callback):
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         assert self._strategy is not None
         assert self._clock is not None
+        self._check_memory()
+        if self._spin is not None:
+            self._spin_on_device(trainer)
+            return
         # a collective inside training_step (sync_dist logging) waits for other ranks: not this rank's work
         self._forward = time.perf_counter() - self._forward_start - self._clock.step_collective_time
         sizes = self._strategy.current_batch_sizes
@@ -147,6 +235,34 @@ class HeterogeneityEmulator(Callback):
         start = time.perf_counter()
         time.sleep((factor - 1.0) * statistics.median(self._ratios) * forward)
         self._slept += time.perf_counter() - start  # what was slept, oversleeping included
+        self._clock.slowed(self._slept)
+
+    def _check_memory(self) -> None:
+        """An emulated device memory: more samples than it holds fail as a real device's would."""
+        assert self._strategy is not None
+        limit = self.memory_limits[self._rank] if self.memory_limits is not None else None
+        sizes = self._strategy.current_batch_sizes
+        if limit is not None and sizes is not None and sizes[self._rank] > limit:
+            raise torch.OutOfMemoryError(
+                f"HeterogeneityEmulator: rank {self._rank}'s emulated device memory holds {limit} samples, the step"
+                f" gives it {sizes[self._rank]}"
+            )
+
+    def _spin_on_device(self, trainer: Trainer) -> None:
+        """Queue ``(factor - 1)`` times this rank's own device compute at the batch size at hand on its stream."""
+        assert self._strategy is not None
+        assert self._spin is not None
+        assert self._clock is not None
+        sizes = self._strategy.current_batch_sizes
+        batch_size = sizes[self._rank] if sizes else 0
+        factor = self.factor_at(self._rank, trainer.global_step)
+        own = [seconds for b, seconds in self._own if b == batch_size]
+        if batch_size == 0 or factor <= 1.0 or not own:  # nothing measured at this size yet: the device's own pace
+            return
+        seconds = (factor - 1.0) * statistics.median(own[-_RECENT_STEPS:])
+        self._spin.spin(seconds)
+        self._slept = seconds
+        self._clock.slowed(seconds)
 
     @override
     def on_train_batch_end(

@@ -52,6 +52,9 @@ class ClusterMetricsMonitor(Callback):
             synchronisation; needs at least two ranks, NaN otherwise).
         noise_scale_ema: decay of the noise scale's moving average over intervals, in [0, 1).
         log_per_rank: log each rank's batch size, times and throughput, not only the job's.
+        memory_margin: on a GPU, the share of its memory kept free when the largest batch it holds is derived
+            from the peak bytes per sample measured (gathered as ``max_batch_size``, which every decision
+            respects); ``None``: not measured.
 
     The measurements are logged with the Trainer's loggers at the step they were gathered, under
     ``dynamix/...`` names; :attr:`history` keeps every gathered state on every rank.
@@ -64,8 +67,9 @@ class ClusterMetricsMonitor(Callback):
         gradient_noise_scale: bool = True,
         noise_scale_ema: float = 0.9,
         log_per_rank: bool = True,
+        memory_margin: float | None = 0.1,
     ) -> None:
-        self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
+        self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema, memory_margin)
         self.interval = self.meter.interval
         self.warmup_steps = self.meter.warmup_steps
         self.measure_noise_scale = bool(gradient_noise_scale)
@@ -148,6 +152,7 @@ class ClusterMetricsMonitor(Callback):
             bounds=self.bounds,
             device=strategy.root_device,
             least_batch_size=self.least_batch_size,
+            batch_size_cap=(strategy.current_batch_size_caps or [None] * trainer.world_size)[trainer.global_rank],
         )
 
     # ------------------------------------------------------------------ logging

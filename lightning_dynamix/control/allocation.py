@@ -35,7 +35,8 @@ def resolve_bounds(
     """Per-rank ``[lower, upper]`` sizes (samples) from a controller's bounds and the state's.
 
     Each rank's range is the intersection of the controller's bound (one int for all ranks or one
-    per rank; ``None``: no bound of its own) with ``state.min_batch_size`` / ``state.max_batch_size``;
+    per rank; ``None``: no bound of its own) with ``state.min_batch_size`` / ``state.max_batch_size``
+    and the rank's own cap (its memory: :attr:`~lightning_dynamix.metrics.ClusterState.batch_size_caps`);
     a lower bound of 0 lets the controller sit a rank out, an upper bound is at least 1. Where the
     intersection is empty the upper bound wins (it is usually a memory limit): lower = upper.
 
@@ -47,9 +48,9 @@ def resolve_bounds(
     highs = per_rank_bounds(max_batch_size, n, "max_batch_size", None)
     lower: list[int] = []
     upper: list[int | None] = []
-    for low, high in zip(lows, highs):
+    for low, high, cap in zip(lows, highs, state.batch_size_caps):
         lo = max(int(low or 0), int(state.min_batch_size))
-        caps = [int(c) for c in (high, state.max_batch_size) if c is not None]
+        caps = [int(c) for c in (high, cap) if c is not None]
         hi = max(1, min(caps)) if caps else None
         if hi is not None and lo > hi:
             lo = hi
@@ -127,12 +128,15 @@ def round_to_total(
     return tuple(int(s) for s in sizes)
 
 
-def respect_least_batch_size(sizes: Sequence[int], least: int, upper: int | None = None) -> tuple[int, ...]:
+def respect_least_batch_size(
+    sizes: Sequence[int], least: int, upper: int | Sequence[int | None] | None = None
+) -> tuple[int, ...]:
     """``sizes`` with every size between 0 and ``least`` made 0 or ``least``, the total kept.
 
     A size below half of ``least`` becomes 0 (the rank sits out), one at or above it becomes ``least``;
     the samples that frees or takes are spread over the ranks that train in proportion to their sizes
-    (largest remainders), none of them below ``least`` or above ``upper``. A model whose BatchNorm
+    (largest remainders), none of them below ``least`` or above ``upper`` (one bound for all ranks, or one per
+    rank). A model whose BatchNorm
     needs 2 samples per rank so never gets a rank of 1, whatever a controller decided.
     """
     if least <= 1 or not any(0 < b < least for b in sizes):
@@ -145,8 +149,54 @@ def respect_least_batch_size(sizes: Sequence[int], least: int, upper: int | None
         return tuple(snapped)
     scale = total / sum(snapped)
     lower = [least if b > 0 else 0 for b in snapped]
-    caps: list[int | None] = [upper if b > 0 else 0 for b in snapped]
+    uppers = upper if isinstance(upper, Sequence) else [upper] * len(sizes)
+    caps: list[int | None] = [u if b > 0 else 0 for b, u in zip(snapped, uppers)]
     return round_to_total([b * scale for b in snapped], total, lower, caps)
+
+
+def respect_batch_size_caps(
+    sizes: Sequence[int], caps: Sequence[int | None], lower: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """``sizes`` with no rank above its cap, the total kept where the caps allow it.
+
+    The samples above a rank's cap go to the ranks below theirs in proportion to their sizes (a rank that
+    sits out takes some only when the others are full), rounded by largest remainders.
+
+    Args:
+        sizes: one size per rank, samples.
+        caps: the largest size per rank (its memory); ``None`` for no limit.
+        lower: the smallest size per rank (default 0).
+
+    Raises:
+        ValueError: when the caps together hold fewer samples than ``sizes`` sum to.
+    """
+    if all(c is None or b <= c for b, c in zip(sizes, caps)):
+        return tuple(sizes)
+    total = sum(sizes)
+    if all(c is not None for c in caps) and sum(c for c in caps if c is not None) < total:
+        raise ValueError(
+            f"the ranks' largest batch sizes {list(caps)} hold {sum(c for c in caps if c is not None)} samples,"
+            f" fewer than the global batch of {total} ({list(sizes)}); lower the global batch or add memory"
+        )
+    low = list(lower) if lower is not None else [0] * len(sizes)
+    low = [min(lo, c) if c is not None else lo for lo, c in zip(low, caps)]
+    weights = [b if b > 0 else 1e-6 for b in sizes]  # a rank that sits out fills last
+    return round_to_total(proportional_fill(weights, total, low, caps), total, low, caps)
+
+
+def validate_batch_size_caps(caps: object) -> list[int | None] | None:
+    """``batch_size_caps`` as a list (one int >= 1 or ``None`` per rank), or ``None`` for no caps."""
+    if caps is None:
+        return None
+    if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence) or not caps:
+        raise ValueError(f"`batch_size_caps` must be a list with one cap (an int >= 1, or None) per rank, got {caps!r}")
+    for rank, cap in enumerate(caps):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(
+                f"`batch_size_caps[{rank}]` must be an int >= 1 (the largest batch rank {rank}'s machine holds) or"
+                f" None, got {cap!r}"
+            )
+    return list(caps)
 
 
 def split_in_proportion(

@@ -86,6 +86,8 @@ class _StepCountingIterator(Iterator[Any]):
         loader = self._loader
         sampler = loader.batch_sampler
         step = sampler._consume()
+        if sampler.was_resplit(step):  # produced before a rank ran out of memory and the step was split anew
+            batch = loader.batch_at(step)
         loader._record_step(step)
         if clock is not None:
             # only an epoch's final step may differ from the sizes in force (it takes what is left)
@@ -155,6 +157,21 @@ class HeterogeneousDataLoader(DataLoader):
         if self.read_ahead is not None:  # beneath the counting: a batch read ahead is not handed out yet
             batches = iterate_ahead(batches, *self.read_ahead)
         return _StepCountingIterator(self, batches)
+
+    def batch_at(self, step: int) -> Any:
+        """This rank's batch at ``step`` of the current epoch, read in this process (its sizes as they are now)."""
+        indices = self.batch_sampler.indices_at(step)
+        dataset: Any = self.dataset
+        samples = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
+        return self.collate_fn(samples)
+
+    def resplit_current(self) -> Any:
+        """After :meth:`HeterogeneousBatchSampler.resplit` of the step being trained: its batch at the new sizes."""
+        step = self._current_step
+        if step < 0:
+            raise RuntimeError("no batch has been handed out by this DataLoader's current iterator yet")
+        self._record_step(step)
+        return self.batch_at(step)
 
     def _record_step(self, step: int) -> None:
         self._current_step = step

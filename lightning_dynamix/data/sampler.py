@@ -195,6 +195,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._consumed = 0  # batches of this pass handed to training (counted by the DataLoader)
         self._pass_started = False
         self._counts_consumption = False
+        self._resplit = (0, 0)  # steps [start, stop) produced at sizes a resplit() changed since
         self.on_schedule_change: Callable[[], None] | None = None
         """Called after every change of the current epoch's schedule (and so possibly of ``len``)."""
 
@@ -219,6 +220,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._next_epoch_sizes = None
         self._pass_start = self._produced = self._consumed = 0
         self._pass_started = False
+        self._resplit = (0, 0)
         self._schedule_changed()
 
     def _schedule_changed(self) -> None:
@@ -306,6 +308,50 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._schedule_changed()
         return applied
 
+    def resplit(self, step: int, batch_sizes: Sequence[int]) -> None:
+        """Split the global batch anew from ``step`` on, a step already handed out included.
+
+        For a step that could not be trained at its sizes (a rank ran out of memory): the steps keep their
+        samples and global batches, each rank's share changes. Batches already produced at the old sizes
+        (prefetched) no longer match; :meth:`was_resplit` names them and a :class:`HeterogeneousDataLoader`
+        rebuilds them (:meth:`indices_at`).
+
+        Args:
+            step: the step of the current epoch to split anew from: the one being trained or a later one.
+            batch_sizes: one size per rank, summing to the global batch of ``step``.
+
+        Raises:
+            ValueError: for sizes of another sum, or a step already trained.
+        """
+        self._sync_epoch()
+        sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
+        trained = self._pass_start + self._consumed - 1 if self._counts_consumption else self._produced - 1
+        if isinstance(step, bool) or not isinstance(step, int) or not trained <= step < len(self._schedule):
+            raise ValueError(
+                f"`step` must be the step being trained ({trained}) or a later one of this epoch, got {step!r}"
+            )
+        global_batch = sum(self._schedule.nominal_batch_sizes_at(step))
+        if sum(sizes) != global_batch:
+            raise ValueError(
+                f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}; a resplit keeps step {step}'s global batch"
+                f" of {global_batch}"
+            )
+        self._schedule.change(step, sizes)
+        self._next_epoch_sizes = None
+        self._resplit = (step, max(self._produced, self._resplit[1]))
+        self._schedule_changed()
+
+    def was_resplit(self, step: int) -> bool:
+        """Whether ``step`` was produced before :meth:`resplit` changed its sizes (its batch must be rebuilt)."""
+        start, stop = self._resplit
+        return start <= step < stop
+
+    def indices_at(self, step: int) -> list[int]:
+        """This rank's sample indices at ``step`` of the current epoch, under the schedule as it is now."""
+        cursor, sizes = self.schedule.step_at(step)
+        start = cursor + sum(sizes[: self.rank])
+        return self.sampler.indices(start, start + sizes[self.rank])
+
     # ------------------------------------------------------------------ iteration
     def __len__(self) -> int:
         """The number of steps of the current epoch under the current schedule."""
@@ -330,10 +376,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                     f" {self._schedule_epoch} was still producing batches; create a new iterator after set_epoch"
                     " so that no batch of the old epoch is mixed into the new one."
                 )
-            cursor, sizes = schedule.step_at(step)
-            start = cursor + sum(sizes[: self.rank])
+            indices = self.indices_at(step)
             self._produced = step + 1
-            yield self.sampler.indices(start, start + sizes[self.rank])
+            yield indices
             step += 1
 
     def _consume(self) -> int:

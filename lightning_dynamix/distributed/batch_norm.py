@@ -31,8 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ from torch.nn import Module
 from lightning_dynamix import _compat
 from lightning_dynamix.data.schedule import check_least_batch_size
 from lightning_dynamix.distributed.sit_out import broadcast_flat
+from lightning_dynamix.metrics.clocks import WaitTimer
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,9 @@ MIN_SAMPLES_ATTRIBUTE = "min_samples_per_rank"
 """A module attribute (an int) that declares how many samples a rank must give the module in training mode;
 :func:`least_batch_size` reads it beside the BatchNorm layers it knows."""
 
-CollectiveTimer = Callable[[float, float], None]
-"""Told ``(started, ended)`` (``time.perf_counter`` seconds) of every collective a layer makes, so that a step's
-timing counts the wait for the other ranks as waiting, not as this rank's compute
-(:meth:`~lightning_dynamix.metrics.StepClock.collective`)."""
+CollectiveTimer = WaitTimer
+"""Told of every collective a layer makes (marks of its ``now()``), so that a step's timing counts the wait for
+the other ranks as waiting, not as this rank's compute: a :class:`~lightning_dynamix.metrics.StepClock`."""
 
 _current: list[tuple[ProcessGroup, CollectiveTimer | None]] = [(None, None)]
 
@@ -184,10 +183,10 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         local = torch.cat([torch.tensor([float(count)], dtype=stats_dtype, device=x.device), mean, m2])
         world = dist.get_world_size(group)
         gathered = [torch.empty_like(local) for _ in range(world)]
-        started = time.perf_counter()
+        started = timer.now() if timer is not None else None
         dist.all_gather(gathered, local, group=group)
         if timer is not None:
-            timer(started, time.perf_counter())
+            timer.collective(started, timer.now())
         rows = torch.stack(gathered)
         counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + channels], rows[:, 1 + channels :]
         total = counts.sum()
@@ -228,10 +227,10 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             sums = torch.cat([sum_dy, sum_dy_xhat])
-            started = time.perf_counter()
+            started = ctx.timer.now() if ctx.timer is not None else None
             dist.all_reduce(sums, group=ctx.group)
             if ctx.timer is not None:
-                ctx.timer(started, time.perf_counter())
+                ctx.timer.collective(started, ctx.timer.now())
             channels = invstd.numel()
             mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
             scale = invstd if weight is None else invstd * weight.to(invstd.dtype)

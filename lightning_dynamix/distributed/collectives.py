@@ -80,16 +80,19 @@ def gather_ints(values: Sequence[int], device: torch.device | None = None) -> li
     return [t.tolist() for t in gathered]
 
 
-def gather_floats(values: Sequence[float], device: torch.device | None = None) -> list[list[float]]:
-    """Every rank's ``values`` (the same length on all ranks) as float64, with one all_gather.
+def gather_floats(
+    values: Sequence[float], device: torch.device | None = None, group: dist.ProcessGroup | None = None
+) -> list[list[float]]:
+    """Every rank's ``values`` (the same length on all ranks) as float64, with one all_gather over ``group``
+    (default: every rank).
 
     Without an initialised process group (one process), returns ``[values]``.
     """
     local = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [local.tolist()]
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
     return [t.tolist() for t in gathered]
 
 

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dynamix._checks import require_bool, require_int, require_optional_int
 from lightning_dynamix.control import BatchController, Decision
+from lightning_dynamix.control.allocation import respect_batch_size_caps, validate_batch_size_caps
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
@@ -88,6 +89,7 @@ from lightning_dynamix.loop import (
     wants_noise_scale,
 )
 from lightning_dynamix.metrics import StepClock
+from lightning_dynamix.metrics.clocks import time_source_for
 
 
 class PreparedTrainLoader(DataLoaderStateMixin):
@@ -203,6 +205,12 @@ class DynamixAccelerate:
             there too. ``None`` (default): SIGTERM is left alone.
         preemption_check_interval: optimizer steps between two checks for a notice (each starts a
             non-blocking all-reduce of one number and reads the previous one's).
+        batch_size_caps: the largest size each process's machine holds, one entry per process (``None`` for no cap
+            of its own); every decision keeps within them (the initial sizes too, where you did not choose them).
+        memory_margin: on a GPU, the share of its memory kept free when the largest batch it holds is derived
+            from the peak bytes per sample measured (see :mod:`lightning_dynamix.metrics.memory`); ``None``: not
+            measured. A step that runs out of memory is not trained again here (the loop is yours): see
+            ``HeterogeneousDDPStrategy(recover_out_of_memory=...)``.
         sync_batchnorm: make every BatchNorm layer of the model a
             :class:`~lightning_dynamix.distributed.batch_norm.GlobalBatchNorm` at :meth:`prepare`: statistics of
             the whole global batch, whatever the split, so the job trains what one process trains on it.
@@ -236,6 +244,8 @@ class DynamixAccelerate:
         save_on_preemption: str | os.PathLike | None = None,
         preemption_check_interval: int = 1,
         sync_batchnorm: bool = False,
+        batch_size_caps: Sequence[int | None] | None = None,
+        memory_margin: float | None = 0.1,
     ) -> None:
         from accelerate import Accelerator
 
@@ -277,6 +287,13 @@ class DynamixAccelerate:
         self.max_batch_size = require_optional_int(
             "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
         )
+        self.batch_size_caps = validate_batch_size_caps(batch_size_caps)
+        caps = self.batch_size_caps
+        if caps is not None and len(caps) != accelerator.num_processes:
+            raise ValueError(
+                f"`batch_size_caps` {caps} gives {len(caps)} processes a cap, but the job has"
+                f" {accelerator.num_processes}; give one cap (or None) per process"
+            )
         self._initial_sizes: BatchSizes | None = None
         if batch_sizes is not None:
             self._initial_sizes = validate_batch_sizes(
@@ -285,6 +302,13 @@ class DynamixAccelerate:
                 min_batch_size=self.min_batch_size,
                 max_batch_size=self.max_batch_size,
             )
+            capped = caps if caps is not None else [None] * len(self._initial_sizes)
+            over = [r for r, (b, c) in enumerate(zip(self._initial_sizes, capped)) if c is not None and b > c]
+            if over:
+                raise ValueError(
+                    f"`batch_sizes` {list(self._initial_sizes)} give processes {over} more samples than their"
+                    f" `batch_size_caps` {caps}; give them at most their cap"
+                )
         self.loss_reduction = validate_loss_reduction(loss_reduction)
         require_int("seed", seed, None)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
@@ -314,7 +338,9 @@ class DynamixAccelerate:
             check_world_size(built, accelerator.num_processes)
             if gradient_noise_scale is None:
                 gradient_noise_scale = wants_noise_scale(built, self.lr_scaling)
-            self.meter = IntervalMeter(interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema)
+            self.meter = IntervalMeter(
+                interval, warmup_steps, bool(gradient_noise_scale), noise_scale_ema, memory_margin
+            )
             self.maker = DecisionMaker(built, name, self.lr_scaling, "DynamixAccelerate")
             self.resume_weights = self.maker.resume_weights
         elif controller_kwargs or finetune:
@@ -399,7 +425,7 @@ class DynamixAccelerate:
         sizes = self.train_loader.loader.current_batch_sizes
         group = training_ranks_groups().prepare(sizes)
         clock = self.meter.clock if self.meter is not None else None
-        set_statistics_group(group, clock.collective if clock is not None else None)
+        set_statistics_group(group, clock)
 
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
         sampler = new_sampler_for(
@@ -416,6 +442,10 @@ class DynamixAccelerate:
             owner="DynamixAccelerate",
             instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
+        caps = self.batch_size_caps
+        if caps is not None and any(c is not None and b > c for b, c in zip(sampler.batch_sizes, caps)):
+            least = [self.least_batch_size if b else 0 for b in sampler.batch_sizes]
+            sampler.set_batch_sizes(respect_batch_size_caps(sampler.batch_sizes, caps, least), from_step=0)
         loader = HeterogeneousDataLoader.like(dataloader, sampler)
         loader.resume = functools.partial(self._resume_sampler, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
@@ -440,7 +470,7 @@ class DynamixAccelerate:
     def _start_measuring(self) -> None:
         if self.meter is None or self.train_loader is None:
             return
-        clock = StepClock()
+        clock = StepClock(time_source=time_source_for(self.accelerator.device))
         self.train_loader.loader.step_clock = clock
         self.hook_state.clock = clock
         if self.meter.noise_scale is not None:
@@ -539,6 +569,9 @@ class DynamixAccelerate:
             bounds=(self.min_batch_size, self.max_batch_size),
             least_batch_size=self.least_batch_size,
             device=self.accelerator.device,
+            batch_size_cap=(self.batch_size_caps or [None] * self.accelerator.num_processes)[
+                self.accelerator.process_index
+            ],
         )
         if self.maker.base_global_batch is None:
             self.maker.base_global_batch = sum(current)

@@ -49,6 +49,9 @@ class WorkerMetrics:
             without one.
         least_sync_wait: the least ``sync_wait`` of any synchronising step in the interval (not a
             mean): the bare transfer at a step no rank was late for.
+        max_batch_size: the largest batch this rank can train, samples: what its device memory holds
+            (measured), a cap given for its machine, or a size lowered after it ran out of memory; NaN
+            for no limit of its own. Every controller's decision keeps within it.
     """
 
     rank: int
@@ -70,6 +73,7 @@ class WorkerMetrics:
     cpu_time: float = NAN
     cpu_quota: float = NAN
     least_sync_wait: float = NAN
+    max_batch_size: float = NAN
 
     @property
     def own_step_time(self) -> float:
@@ -113,7 +117,7 @@ LOCAL_FEATURES: tuple[str, ...] = (
     "mem_util",  # fraction
     "gpu_util",  # fraction, 0 without a GPU
     "gpu_mem_util",  # fraction, 0 without a GPU
-    "log2_batch_to_max",  # log2(b_r / max_batch_size), 0 without a bound
+    "log2_batch_to_max",  # log2(b_r / the rank's largest size: ClusterState.batch_size_caps), 0 without a bound
 )
 GLOBAL_FEATURES: tuple[str, ...] = (
     "log2_world_size",
@@ -196,6 +200,17 @@ class ClusterState:
     @property
     def world_size(self) -> int:
         return len(self.workers)
+
+    @property
+    def batch_size_caps(self) -> tuple[int | None, ...]:
+        """Per rank, the largest size it may be given: the tighter of ``max_batch_size`` and the rank's own
+        (:attr:`WorkerMetrics.max_batch_size`: its memory); ``None`` for no limit."""
+        caps: list[int | None] = []
+        for worker in self.workers:
+            given = (self.max_batch_size, worker.max_batch_size)
+            limits = [int(c) for c in given if c is not None and math.isfinite(c)]
+            caps.append(max(1, min(limits)) if limits else None)
+        return tuple(caps)
 
     @cached_property
     def batch_sizes(self) -> tuple[int, ...]:
@@ -292,6 +307,7 @@ class ClusterState:
             mean_compute = np.nanmean(compute) if np.isfinite(compute).any() else NAN
             mean_speed = np.nanmean(speeds) if np.isfinite(speeds).any() else NAN
             step = np.where(column["step_time"] > 0, column["step_time"], NAN)
+            caps = np.array([NAN if c is None else c for c in self.batch_size_caps], dtype=np.float64)
             rows = np.stack(
                 [
                     np.log2(sizes / sizes.mean()),
@@ -304,7 +320,7 @@ class ClusterState:
                     column["mem_util"] / 100.0,
                     column["gpu_util"] / 100.0,
                     column["gpu_mem_util"] / 100.0,
-                    np.log2(sizes / self.max_batch_size) if self.max_batch_size else np.zeros_like(sizes),
+                    np.log2(sizes / caps),
                 ],
                 axis=1,
             )

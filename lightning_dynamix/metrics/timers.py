@@ -25,8 +25,13 @@ step, in seconds:
 Steps are summed into an interval (:meth:`StepClock.summary`) at the rank's current batch size:
 a step trained at another size (one prefetched before a resize) starts the interval afresh, so
 times and sizes always belong together; an epoch's final step, whose sizes the dataset's remainder
-decides, is left out of the interval altogether. Recording costs a few ``perf_counter`` calls per step and
-bucket (and one CPU-time reading per step) and needs no collective.
+decides, is left out of the interval altogether. Recording costs a few timestamps per step and bucket (and
+one CPU-time reading per step) and needs no collective.
+
+Every timestamp comes from the clock's time source (:mod:`lightning_dynamix.metrics.clocks`): the host's
+``perf_counter`` on a CPU rank; on a GPU, CUDA events on the rank's stream, so that each time above is the
+device's (when the stream reached the batch, the bucket's gradients, the all-reduce's completion, the end of
+backward), not when the CPU queued the kernels. Device marks are read once the device has passed them.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_dynamix.metrics.clocks import HostClock, Mark, TimeSource
 from lightning_dynamix.metrics.system import CpuQuota, find_cpu_quota
 
 NAN = float("nan")
@@ -57,6 +64,8 @@ class StepRecord:
     synchronised: bool
     regular: bool = True
     cpu_time: float = NAN
+    slowdown: float = 0.0
+    """Seconds of emulated slowdown (:meth:`StepClock.slowed`) inside ``compute_time``."""
 
 
 @dataclass(frozen=True)
@@ -99,31 +108,78 @@ def _overlap(spans: list[tuple[float, float]], start: float, end: float) -> floa
     return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
 
 
+@dataclass
+class _PendingStep:
+    """A closed step whose marks may not be readable yet (device marks the device has not reached)."""
+
+    generation: int
+    batch_size: int
+    regular: bool
+    synchronised: bool
+    comm_bytes: int
+    cpu_time: float
+    slowdown: float
+    marks: dict[str, Mark]
+    comm_spans: list[tuple[Mark, Mark]]
+    collectives: list[tuple[Mark, Mark]]
+
+    def all_marks(self) -> list[Mark]:
+        spans = [m for span in (*self.comm_spans, *self.collectives) for m in span]
+        return [*(m for m in self.marks.values() if m is not None), *spans]
+
+
+_MAX_PENDING = 64  # steps waiting for the device before one is read by waiting (never reached in practice)
+
+
 class StepClock:
     """Timestamps of one rank's training steps; see the module docstring for what is derived.
 
+    Every timestamp comes from one :class:`~lightning_dynamix.metrics.clocks.TimeSource`: the host's clock on
+    a CPU rank, CUDA events on the rank's stream on a GPU (:func:`~lightning_dynamix.metrics.clocks.time_source_for`).
+    A step's marks are read when it closes where they are ready (always, on the host); device marks the device
+    has not reached yet are read at a later step's end once it has, or at :meth:`summary` (one wait an
+    interval): never a synchronisation per step. :attr:`last_step` is then the latest step read.
+
     Args:
-        timer: the clock read at every event, in seconds (monotonic).
+        timer: the host clock read at every event, in seconds (monotonic); only without ``time_source``.
         cpu_quota: the CPU quota this process runs under, ``None`` for none, or ``"find"`` (default)
             to read it from the process's cgroup (:func:`~lightning_dynamix.metrics.system.find_cpu_quota`).
+        time_source: where timestamps come from; default the host's clock (``timer``).
     """
 
     def __init__(
-        self, timer: Callable[[], float] = time.perf_counter, cpu_quota: CpuQuota | Literal["find"] | None = "find"
+        self,
+        timer: Callable[[], float] | None = None,
+        cpu_quota: CpuQuota | Literal["find"] | None = "find",
+        time_source: TimeSource | None = None,
     ) -> None:
-        self._timer = timer
+        if timer is not None and time_source is not None:
+            raise ValueError("give StepClock either `timer` (a host clock) or `time_source`, not both")
+        if time_source is not None and not isinstance(time_source, TimeSource):
+            raise ValueError(
+                f"`time_source` must be a TimeSource (HostClock, CudaEventClock, FakeEventClock), got {time_source!r}"
+            )
+        self.time_source: TimeSource = time_source if time_source is not None else HostClock(timer or time.perf_counter)
         self.cpu_quota = find_cpu_quota() if cpu_quota == "find" else cpu_quota
         self._cpu = self.cpu_quota.counter() if self.cpu_quota is not None else time.process_time
         self._lock = threading.Lock()  # all-reduce completions arrive on the backend's thread
         self.last_step: StepRecord | None = None
+        self.last_batch_size: int | None = None
+        """The batch size of the latest step closed (known at once, where :attr:`last_step` may lag on a device)."""
+        self._pending: deque[_PendingStep] = deque()
+        self._generation = 0
         self._reset_step()
         self._reset_interval(0)
 
     # ------------------------------------------------------------------ events
+    def now(self) -> Mark:
+        """A timestamp of this point from the clock's time source (for :meth:`collective`)."""
+        return self.time_source.mark()
+
     def data_start(self) -> None:
         """The training loop asks the DataLoader for the next batch."""
         self._reset_step()
-        self._data_start = self._timer()
+        self._data_start = self.time_source.mark()
         self._cpu_start = self._cpu()
 
     def data_end(self, batch_size: int, regular: bool = True) -> None:
@@ -133,78 +189,104 @@ class StepClock:
         which takes what is left): it is timed (:attr:`last_step`) but left out of the interval, so a
         short tail neither restarts the interval nor stands for the sizes the controller set.
         """
-        self._data_end = self._timer()
+        self._data_end = self.time_source.mark()
         if self._cpu_start is None:
             self._cpu_start = self._cpu()
         self._batch_size = batch_size
         self._regular = regular
 
-    def bucket_ready(self, num_bytes: int) -> float:
-        """A gradient bucket of ``num_bytes`` is ready and its all-reduce starts; returns the time."""
-        now = self._timer()
-        self._last_bucket_ready = now
-        self._comm_bytes += num_bytes
+    def bucket_ready(self, num_bytes: int) -> Mark:
+        """A gradient bucket of ``num_bytes`` is ready and its all-reduce starts; returns the mark."""
+        now = self.time_source.mark()
+        with self._lock:
+            self._last_bucket_ready = now
+            self._comm_bytes += num_bytes
         return now
 
-    def bucket_done(self, started: float) -> None:
-        """The all-reduce that started at ``started`` completed (may run on another thread)."""
-        now = self._timer()
+    def bucket_done(self, started: Mark) -> None:
+        """The all-reduce that started at ``started`` completed (may run on another thread).
+
+        On a GPU, call it where the collective's work is known done on the device: in the all-reduce future's
+        ``then`` callback, whose current stream waits for the collective.
+        """
+        now = self.time_source.mark()
         with self._lock:
             self._comm_spans.append((started, now))
 
-    def collective(self, started: float, ended: float) -> None:
-        """A blocking collective inside the step ran from ``started`` to ``ended`` (``perf_counter`` seconds).
+    def collective(self, started: Mark, ended: Mark) -> None:
+        """A blocking collective inside the step ran from ``started`` to ``ended`` (marks of :meth:`now`).
 
         The part before the last gradient bucket is ready is waiting for the other ranks, not this
         rank's compute: it moves from ``compute_time`` to ``sync_wait``.
         """
         self._collectives.append((started, ended))
 
+    def irregular(self) -> None:
+        """This step's times do not stand for its sizes (it was trained twice, or without the usual all-reduce):
+        timed (:attr:`last_step`) but left out of the interval."""
+        self._regular = False
+
+    def slowed(self, seconds: float) -> None:
+        """An emulated slowdown of ``seconds`` was put inside this step's compute (a sleep, a spin kernel)."""
+        self._slowdown += seconds
+
     @property
     def step_collective_time(self) -> float:
-        """Seconds this step has spent in blocking collectives so far."""
-        return sum(end - start for start, end in self._collectives)
+        """Seconds this step has spent in blocking collectives so far (a device clock waits for their marks)."""
+        return sum(self.time_source.elapsed(start, end) for start, end in self._collectives)
 
     def backward_end(self) -> None:
         """A backward pass returned (after DDP waited for its all-reduces, if it synchronised)."""
-        self._backward_end = self._timer()
+        self._backward_end = self.time_source.mark()
 
     def step_end(self) -> StepRecord | None:
         """The step is over (optimizer step done). Safe to call more than once per step.
 
         Returns:
-            The finished step, or ``None`` if this step was already closed or never started.
+            The finished step where its marks can be read without waiting (always on the host's clock);
+            ``None`` if this step was already closed or never started, or its device marks are not reached
+            yet (it is read later: :attr:`last_step`, :meth:`summary`).
         """
         if self._data_end is None or self._closed:
             return None
-        now = self._timer()
+        now = self.time_source.mark()
         self._closed = True
-        work_end = self._backward_end if self._backward_end is not None else now
-        synchronised = self._last_bucket_ready is not None
-        ready = self._last_bucket_ready if synchronised else work_end
         with self._lock:
             spans = list(self._comm_spans)
-        waited = _overlap(self._collectives, self._data_end, ready)  # waiting for others before the gradients
-        record = StepRecord(
+            last_ready = self._last_bucket_ready
+            comm_bytes = self._comm_bytes
+        pending = _PendingStep(
+            generation=self._generation,
             batch_size=self._batch_size,
-            data_time=self._data_end - self._data_start if self._data_start is not None else 0.0,
-            compute_time=max(0.0, ready - self._data_end - waited),
-            sync_wait=max(0.0, work_end - ready) + waited,
-            step_time=now - (self._data_start if self._data_start is not None else self._data_end),
-            comm_time=_union_length(spans),
-            comm_bytes=self._comm_bytes,
-            synchronised=synchronised,
             regular=self._regular,
+            synchronised=last_ready is not None,
+            comm_bytes=comm_bytes,
             cpu_time=self._cpu() - self._cpu_start if self._cpu_start is not None else NAN,
+            slowdown=self._slowdown,
+            marks={
+                "data_start": self._data_start,
+                "data_end": self._data_end,
+                "ready": last_ready,
+                "backward_end": self._backward_end,
+                "end": now,
+            },
+            comm_spans=spans,
+            collectives=list(self._collectives),
         )
-        self.last_step = record
-        if record.regular:
-            self._add(record)
-        return record
+        self.last_batch_size = self._batch_size
+        self._pending.append(pending)
+        self._read(wait=len(self._pending) > _MAX_PENDING)
+        if self._pending:
+            return None
+        return self.last_step
 
     # ------------------------------------------------------------------ intervals
     def summary(self) -> IntervalSummary:
-        """Means over the interval's steps (at the latest batch size); does not reset."""
+        """Means over the interval's steps (at the latest batch size); does not reset.
+
+        Reads every closed step, waiting for the device where its marks are not reached yet.
+        """
+        self._read(wait=True)
         n = self._steps
         quota = self.cpu_quota.cores if self.cpu_quota is not None else NAN
         if n == 0:
@@ -227,23 +309,71 @@ class StepClock:
         )
 
     def reset_interval(self) -> None:
-        """Start a new interval (after a decision was gathered)."""
+        """Start a new interval (after a decision was gathered); steps closed before it stay out of it."""
+        self._generation += 1
         self._reset_interval(self._interval_size)
 
     # ------------------------------------------------------------------ internals
+    def _read(self, wait: bool) -> None:
+        """Turn closed steps into records, oldest first, while their marks are ready (all of them if ``wait``)."""
+        source = self.time_source
+        on_host = isinstance(source, HostClock)  # always ready, nothing to give back
+        while self._pending:
+            pending = self._pending[0]
+            marks = () if on_host else pending.all_marks()
+            if not wait and not all(source.ready(m) for m in marks):
+                return
+            self._pending.popleft()
+            record = self._record(pending)
+            for mark in marks:
+                source.release(mark)
+            self.last_step = record
+            if record.regular and pending.generation == self._generation:
+                self._add(record)
+
+    def _record(self, pending: _PendingStep) -> StepRecord:
+        """A closed step's times, each mark read as seconds after the step's first."""
+        source = self.time_source
+        marks = pending.marks
+        origin = marks["data_start"] if marks["data_start"] is not None else marks["data_end"]
+
+        def at(mark: Mark) -> float:
+            return source.elapsed(origin, mark)
+
+        data_start, data_end, end = at(origin), at(marks["data_end"]), at(marks["end"])
+        work_end = at(marks["backward_end"]) if marks["backward_end"] is not None else end
+        ready = at(marks["ready"]) if pending.synchronised else work_end
+        collectives = [(at(s), at(e)) for s, e in pending.collectives]
+        spans = [(at(s), at(e)) for s, e in pending.comm_spans]
+        waited = _overlap(collectives, data_end, ready)  # waiting for others before the gradients
+        return StepRecord(
+            batch_size=pending.batch_size,
+            data_time=data_end - data_start,
+            compute_time=max(0.0, ready - data_end - waited),
+            sync_wait=max(0.0, work_end - ready) + waited,
+            step_time=end - data_start,
+            comm_time=_union_length(spans),
+            comm_bytes=pending.comm_bytes,
+            synchronised=pending.synchronised,
+            regular=pending.regular,
+            cpu_time=pending.cpu_time,
+            slowdown=pending.slowdown,
+        )
+
     def _reset_step(self) -> None:
-        self._data_start: float | None = None
-        self._data_end: float | None = None
+        self._data_start: Mark | None = None
+        self._data_end: Mark | None = None
         self._cpu_start: float | None = None
         self._batch_size = 0
         self._regular = True
-        self._last_bucket_ready: float | None = None
-        self._backward_end: float | None = None
-        self._comm_bytes = 0
-        self._collectives: list[tuple[float, float]] = []
+        self._backward_end: Mark | None = None
+        self._collectives: list[tuple[Mark, Mark]] = []
+        self._slowdown = 0.0
         self._closed = False
         with self._lock:
-            self._comm_spans: list[tuple[float, float]] = []
+            self._last_bucket_ready: Mark | None = None
+            self._comm_bytes = 0
+            self._comm_spans: list[tuple[Mark, Mark]] = []
 
     def _reset_interval(self, batch_size: int) -> None:
         self._interval_size = batch_size

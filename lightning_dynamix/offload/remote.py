@@ -15,8 +15,7 @@ All communication is ``torch.distributed.rpc``. A server that dies or stops answ
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dynamix import _compat
+from lightning_dynamix.metrics.clocks import Mark, WaitTimer
 from lightning_dynamix.offload import server as remote
 from lightning_dynamix.offload.server import TableSpec, server_name
 from lightning_dynamix.offload.sharding import Route, RowSharding, TablesRoute, route, route_tables
@@ -89,9 +89,9 @@ class EmbeddingClient:
         self.prefetch_misses = 0  # lookups whose ids differed from the ids prefetched for their table
         self.prefetches_ahead = 0  # prefetches for a later step than the current one (pipelined lookups)
         self.closed = False
-        self.waited: Callable[[float, float], None] | None = None
-        """Told of every time a lookup waited for the servers' answer: ``(started, ended)``, ``perf_counter``
-        seconds (a heterogeneous strategy's step clock counts it as a wait, not the trainer's compute)."""
+        self.waited: WaitTimer | None = None
+        """Told of every time a lookup waited for the servers' answer, in marks of its ``now()`` (a heterogeneous
+        strategy's step clock counts it as a wait, not the trainer's compute)."""
 
     def close(self) -> None:
         """The servers are stopping: any later use is an error that says so."""
@@ -222,7 +222,7 @@ class EmbeddingClient:
             self.prefetch_misses += 1
             return None
         if entry.arrived is None:  # the first table of the step waits, once, for every server
-            started = time.perf_counter()
+            started = self._now()
             for server, answer in entry.answers.items():
                 self._wait(server, remote.remote_lookup_many, answer)  # a server's failure, named
             entry.arrived = entry.rows.wait()
@@ -257,7 +257,7 @@ class EmbeddingClient:
             if len(rows)
         }
         self.lookup_requests += len(futures)
-        started = time.perf_counter()
+        started = self._now()
         values = [
             self._wait(server, remote.remote_lookup, futures[server])
             if server in futures
@@ -285,9 +285,12 @@ class EmbeddingClient:
         _compat.non_finite_check(grads, found)
         return found == 0
 
-    def _tell_waited(self, started: float) -> None:
+    def _now(self) -> Mark:
+        return self.waited.now() if self.waited is not None else None
+
+    def _tell_waited(self, started: Mark) -> None:
         if self.waited is not None:
-            self.waited(started, time.perf_counter())
+            self.waited.collective(started, self.waited.now())
 
     def push(self, weight: float, drop: bool = False) -> None:
         """Send this step's row gradients to the servers (without waiting), to be multiplied by ``weight``

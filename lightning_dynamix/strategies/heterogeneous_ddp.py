@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,7 +66,8 @@ from torch.utils.data import (
 from typing_extensions import override
 
 from lightning_dynamix import _compat
-from lightning_dynamix._checks import require_int, require_optional_int
+from lightning_dynamix._checks import require_bool, require_int, require_optional_int
+from lightning_dynamix.control.allocation import respect_batch_size_caps, validate_batch_size_caps
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
@@ -89,9 +89,11 @@ from lightning_dynamix.distributed import (
 )
 from lightning_dynamix.distributed.batch_norm import fit_least_batch_size, has_global_batch_norm, statistics_over
 from lightning_dynamix.elastic import ResumeWeights, resume_sampler
+from lightning_dynamix.metrics.clocks import time_source_for
 from lightning_dynamix.metrics.timers import StepClock
 from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
+from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, all_reduce_gradients
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,14 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         seed: seed of the training order; the same on every rank.
         drop_last: skip the incomplete last step of each epoch instead of spreading the
             remaining samples over the ranks (also on when the DataLoader has ``drop_last=True``).
+        batch_size_caps: the largest size each rank's machine holds, one entry per rank (``None`` for no cap of
+            its own); every decision keeps within them. Default: no caps; on a GPU the callbacks also measure
+            what the device's memory holds.
+        recover_out_of_memory: a step at which a rank trains more samples than it ever did and runs out of
+            memory is trained again, split anew, with that rank capped (see
+            :mod:`~lightning_dynamix.strategies.memory_recovery`). ``None`` (default): wherever it can be (automatic
+            optimisation, no gradient accumulation, no ``GlobalBatchNorm``); ``True``: required (an error at set-up
+            where it cannot be); ``False``: never, the error ends the job.
         **ddp_kwargs: any other ``DDPStrategy`` argument (``process_group_backend``, ``timeout``,
             ``start_method``, ``ddp_comm_wrapper``, ``find_unused_parameters``...), except a
             custom ``ddp_comm_hook``/``ddp_comm_state`` or post-local-SGD averaging: this strategy
@@ -152,6 +162,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        batch_size_caps: Sequence[int | None] | None = None,
+        recover_out_of_memory: bool | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         for name in _UNSUPPORTED_DDP_ARGUMENTS:
@@ -174,6 +186,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         1, raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm)."""
         self._least_reason: str | None = None
         self.max_batch_size = max_batch_size
+        self.batch_size_caps = validate_batch_size_caps(batch_size_caps)
+        self.recover_out_of_memory = (
+            None if recover_out_of_memory is None else require_bool("recover_out_of_memory", recover_out_of_memory)
+        )
+        self._memory: OutOfMemoryRecovery | None = None
         self._batch_sizes: BatchSizes | None = None
         if batch_sizes is not None:
             self._batch_sizes = self._validate_sizes(batch_sizes, world_size=None)
@@ -206,7 +223,25 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             max_batch_size=self.max_batch_size,
         )
         check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
+        caps = self.current_batch_size_caps
+        if caps is not None and len(caps) == len(sizes):
+            over = [r for r, (b, c) in enumerate(zip(sizes, caps)) if c is not None and b > c]
+            if over:
+                raise ValueError(
+                    f"`batch_sizes` {list(sizes)} give ranks {over} more samples than their caps {list(caps)}"
+                    " (batch_size_caps, or lowered after they ran out of memory); give them at most their cap"
+                )
         return sizes
+
+    @property
+    def current_batch_size_caps(self) -> list[int | None] | None:
+        """The largest size per rank now: ``batch_size_caps``, lowered where a rank ran out of memory."""
+        return list(self._memory.caps) if self._memory is not None else self.batch_size_caps
+
+    @property
+    def steps_recovered_from_out_of_memory(self) -> int:
+        """Steps trained again, split anew, after a rank ran out of memory."""
+        return self._memory.recovered if self._memory is not None else 0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -250,10 +285,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def enable_step_clock(self) -> StepClock:
         """Time every training step of this rank from now on (data, compute, sync wait, all-reduce).
 
-        Returns the :class:`~lightning_dynamix.metrics.StepClock`; calling it again returns the same one.
+        Returns the :class:`~lightning_dynamix.metrics.StepClock`; calling it again returns the same one. On a
+        GPU it times the device with CUDA events on the rank's stream, elsewhere the host.
         """
         if self._step_clock is None:
-            self._step_clock = StepClock()
+            self._step_clock = StepClock(time_source=time_source_for(self.root_device))
             self._hook_state.clock = self._step_clock
             if self._train_loader is not None:
                 self._train_loader.step_clock = self._step_clock
@@ -337,6 +373,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         super().configure_ddp()
         self._weighting = SyncWindowWeighting(self.global_rank, self.loss_reduction)
         let_backend_threads_finish()
+        caps = self.batch_size_caps
+        if caps is not None and len(caps) != self.world_size:
+            raise MisconfigurationException(
+                f"`batch_size_caps` {caps} gives {len(caps)} ranks a cap, but the Trainer has {self.world_size}"
+                " (devices x num_nodes); give one cap (or None) per rank"
+            )
+        if self._memory is None:
+            self._memory = OutOfMemoryRecovery(
+                self.world_size,
+                self.global_rank,
+                caps or [None] * self.world_size,
+                self.recover_out_of_memory is not False,
+            )
+            self._memory.setup()  # a collective: every rank configures DDP
 
     @override
     def _register_ddp_hooks(self) -> None:
@@ -384,6 +434,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             sampler = self._new_sampler(dataloader)
         # the epoch about to run: DataLoader workers start prefetching before Lightning sets it
         sampler.set_epoch(self.lightning_module.trainer.current_epoch)
+        self._fit_caps(sampler)
         if isinstance(dataloader, HeterogeneousDataLoader) and dataloader.batch_sampler is sampler:
             loader = dataloader
         else:
@@ -394,6 +445,16 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             loader.load_state_dict(self._loader_state_to_load)
             self._loader_state_to_load = None
         return loader
+
+    def _fit_caps(self, sampler: HeterogeneousBatchSampler) -> None:
+        """Sizes not chosen by you (the DataLoader's ``batch_size`` on every rank) split within the ranks' caps."""
+        caps = self.current_batch_size_caps
+        sizes = sampler.batch_sizes
+        if caps is None or sampler.next_step > 0 or all(c is None or b <= c for b, c in zip(sizes, caps)):
+            return
+        fitted = respect_batch_size_caps(sizes, caps, [self.least_batch_size if b else 0 for b in sizes])
+        log.info("HeterogeneousDDPStrategy: sizes %s split within the ranks' caps %s: %s", list(sizes), caps, fitted)
+        sampler.set_batch_sizes(fitted, from_step=0)
 
     def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
         """Load a checkpoint's position in the training data, saved by this number of ranks or another."""
@@ -471,12 +532,36 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 f"HeterogeneousDDPStrategy trains from one training DataLoader, got {len(loaders)};"
                 " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
             )
+        if self._memory is not None:
+            self._memory.enabled = self.recover_out_of_memory is not False and self._can_recover_out_of_memory(trainer)
         if self.min_batch_size == 0 and not self.lightning_module.automatic_optimization:
             raise MisconfigurationException(
                 "HeterogeneousDDPStrategy(min_batch_size=0) needs automatic optimisation: a rank that sits a step"
                 " out does not run training_step, so it could not join the backward passes and optimizer steps a"
                 " manually optimised training_step makes. Use min_batch_size >= 1, or automatic optimisation."
             )
+
+    def _can_recover_out_of_memory(self, trainer: Any) -> bool:
+        """Whether a failed attempt can be the whole optimizer step, trained again: automatic optimisation, one batch
+        a step, and no collective of the model's own in the forward pass. Raises where recovery was required."""
+        reasons = []
+        if not self.lightning_module.automatic_optimization:
+            reasons.append("manual optimisation (training_step steps the optimizer itself)")
+        if trainer.accumulate_grad_batches != 1:
+            reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a step is several batches)")
+        if self._global_batch_norm:
+            reasons.append("GlobalBatchNorm (its statistics are gathered inside the forward pass)")
+        reasons += self._out_of_memory_obstacles()
+        if reasons and self.recover_out_of_memory:
+            raise MisconfigurationException(
+                f"{type(self).__name__}(recover_out_of_memory=True) cannot retry a step here: {'; '.join(reasons)}."
+                " Leave recover_out_of_memory=None (recovery where it can be) or set it to False."
+            )
+        return not reasons
+
+    def _out_of_memory_obstacles(self) -> list[str]:
+        """What else keeps a step from being trained again (a subclass's own reasons)."""
+        return []
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -497,15 +582,87 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             # the ranks that train all-reduce among themselves while others are away
             self._hook_state.process_group = group if out else None
             statistics = group  # None where every rank trains
+            memory = self._memory
+            if memory is not None and (memory.retry_pending or memory.is_trial(sizes)):
+                return self._trial_training_step(memory, *args, **kwargs)
         else:
             statistics = None
         self._in_training_step = True
         try:
-            clock = self._step_clock.collective if self._step_clock is not None else None
-            with statistics_over(statistics, clock):  # GlobalBatchNorm's statistics: the ranks that train this step
+            # GlobalBatchNorm's statistics: over the ranks that train this step
+            with statistics_over(statistics, self._step_clock):
                 return super().training_step(*args, **kwargs)
         finally:
             self._in_training_step = False
+
+    def _trial_training_step(self, memory: OutOfMemoryRecovery, *args: Any, **kwargs: Any) -> Any:
+        """``training_step`` of a step some rank trains more samples at than ever: without DDP's all-reduce, so that
+        a rank that runs out of memory leaves no other waiting in it (see :meth:`_trial_backward`)."""
+        assert isinstance(self.model, DistributedDataParallel)
+        if memory.retry_batch is not None:  # the step again, its global batch split anew
+            args = (memory.retry_batch, *args[1:])
+            memory.retry_batch = None
+        memory.begin(self.model, self.root_device)
+        if self._step_clock is not None:
+            self._step_clock.irregular()  # its time holds the attempt and the all-reduce without overlap
+        syncing = self.model.require_backward_grad_sync
+        self.model.require_backward_grad_sync = False  # read by DDP's forward: no reduction prepared
+        self._in_training_step = True
+        try:
+            return super().training_step(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            memory.fail(error)
+            return torch.zeros((), device=self.root_device, requires_grad=True)  # nothing of the model runs
+        finally:
+            self._in_training_step = False
+            self.model.require_backward_grad_sync = syncing
+
+    def _trial_backward(
+        self, memory: OutOfMemoryRecovery, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """Backward of a trial step, then every rank's outcome: the gradients all-reduced, or the step split anew."""
+        loader, weighting = self._train_loader, self._weighting
+        assert loader is not None
+        assert weighting is not None
+        step, sizes = loader.current_step, loader.current_batch_sizes
+        output = closure_loss
+        if not memory.failed:
+            factor = weighting.add_backward(step, sizes, 1.0, sum(sizes))
+            closure_loss.register_hook(lambda grad: grad * factor)
+            try:
+                output = super().backward(closure_loss, optimizer, *args, **kwargs)
+            except torch.OutOfMemoryError as error:
+                memory.fail(error)
+        failed_at = memory.outcome(sizes)
+        clock = self._step_clock
+        if not any(failed_at):  # every rank trained it: the all-reduce DDP's hook would have made
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            started = clock.bucket_ready(sum(g.numel() * g.element_size() for g in grads)) if clock else None
+            local_sq, global_sq, _ = all_reduce_gradients(self.model, weighting.sync_weight())
+            if clock is not None:
+                clock.bucket_done(started)
+                clock.backward_end()
+            norms = self._hook_state.norms
+            if norms is not None and self._norm_sink is not None:
+                norms.local.append(local_sq)
+                norms.reduced.append(global_sq)
+                report_gradient_norms(self._hook_state, weighting, self._norm_sink)
+            weighting.reset()
+            memory.succeeded(sizes)
+            return output
+        memory.restore(self.model, self.root_device)
+        weighting.reset()
+        new_sizes = memory.split_anew(sizes, failed_at, self.least_batch_size)  # the same on every rank
+        loader.batch_sampler.resplit(step, new_sizes)
+        memory.retry_batch = self.batch_to_device(loader.resplit_current())
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        memory = self._memory
+        if memory is not None and memory.enabled:
+            closure = functools.partial(_until_trained, memory, closure)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _loss_without_samples(self, left: bool) -> Tensor:
         """The loss of a rank with no samples: it leaves the step (``left``), or joins the all-reduce with nothing."""
@@ -573,6 +730,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        if self._memory is not None and self._memory.in_trial:
+            return self._trial_backward(self._memory, closure_loss, optimizer, *args, **kwargs)
         if self._left_step:  # the rank skips this step: no weights, no synchronisation
             output = super().backward(closure_loss, optimizer, *args, **kwargs)
             if self._step_clock is not None:
@@ -632,7 +791,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 return summed.double() / dist.get_world_size(group)  # float64: exact for any count below 2**53
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # inside training_step (self.log(..., sync_dist=True)) every rank waits here for the slowest
-        started = time.perf_counter()
+        started = self._step_clock.now() if self._step_clock is not None else None
         loader = self._train_loader
         if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
             sizes = loader.current_batch_sizes
@@ -643,7 +802,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self._step_clock is not None:  # the wait is not this rank's compute
-            self._step_clock.collective(started, time.perf_counter())
+            self._step_clock.collective(started, self._step_clock.now())
         return result
 
     # ------------------------------------------------------------------ registry
@@ -656,6 +815,14 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 cls,
                 description="DDP with a batch size per rank, changeable at any step, and exactly weighted gradients",
             )
+
+
+def _until_trained(memory: OutOfMemoryRecovery, closure: Callable[[], Any]) -> Any:
+    """Lightning's closure (training_step, zero_grad, backward), again while a rank ran out of memory."""
+    while True:
+        result = closure()
+        if not memory.retry_pending:
+            return result
 
 
 HeterogeneousDDPStrategy.register_strategies(StrategyRegistry)

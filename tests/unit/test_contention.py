@@ -142,7 +142,9 @@ def test_a_quota_holds_a_rank_to_its_share_of_a_core_and_the_cgroups_are_removed
         )
         found, share = map(float, spin.stdout.strip().splitlines()[-2:])
     assert found == 0.25  # the rank reads its own quota from its cgroup
-    assert 0.15 < share < 0.35  # a quarter of a core, not the whole core a spin loop takes
+    # at most a quarter of a core, not the whole core a spin loop takes; how much of its quarter it gets depends on
+    # what else runs on the core (the suite's other worker), so no lower bound but that it ran
+    assert 0.0 < share < 0.35
     assert not group.exists()
 
 

@@ -28,15 +28,15 @@ from torch.optim import Optimizer
 from lightning_dynamix._checks import require_bool, require_int
 from lightning_dynamix.data import HeterogeneousDataLoader
 from lightning_dynamix.distributed import let_backend_threads_finish
+from lightning_dynamix.metrics.clocks import WaitTimer
 from lightning_dynamix.offload import SparseRowOptimizer
 from lightning_dynamix.offload.remote import EmbeddingClient, RemoteTable, remote_module
 from lightning_dynamix.offload.server import parse_address
 from lightning_dynamix.placement import PlacementPlan
 from lightning_dynamix.strategies.layer_offload import checkpoints, lookups, overflow, servers, tables
 
-ServerWait = Callable[[float, float], None]
-"""``waited(started, ended)``: a lookup waited for the servers' answer from ``started`` to ``ended``
-(``time.perf_counter`` seconds)."""
+ServerWait = WaitTimer
+"""Told of every wait of a lookup for the servers' answer (``collective(started, ended)``, marks of its ``now()``)."""
 
 
 class OffloadingStrategy(Protocol):

@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynamix.distributed import LossReduction
+from lightning_dynamix.metrics.clocks import Mark
 from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
 from lightning_dynamix.strategies.layer_offload.embedding_offload import (
     EmbeddingOffload,
@@ -39,8 +40,11 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
     Args:
         batch_sizes: one initial batch size per trainer rank (``devices * num_nodes`` of them); default the
             training DataLoader's ``batch_size`` on every trainer.
-        min_batch_size, max_batch_size, loss_reduction, shuffle, seed, drop_last: as for
+        min_batch_size, max_batch_size, loss_reduction, shuffle, seed, drop_last, batch_size_caps: as for
             :class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy`.
+        recover_out_of_memory: ``None`` or ``False``: a trainer that runs out of memory ends the job (an
+            attempt's row gradients reach the servers, so a step cannot be trained again); ``True`` is refused
+            at set-up.
         num_embedding_servers, offload, sparse_optimizer, sparse_optimizer_args, staleness, launch_servers,
             server_port, return_embeddings, prefetch_depth, trainer_threads: as for
             :class:`~lightning_dynamix.strategies.LayerOffloadStrategy`
@@ -67,6 +71,8 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        batch_size_caps: Sequence[int | None] | None = None,
+        recover_out_of_memory: bool | None = None,
         **kwargs: Any,
     ) -> None:
         offload = offload_arguments(kwargs)  # the rest are DDP's
@@ -78,6 +84,8 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            batch_size_caps=batch_size_caps,
+            recover_out_of_memory=recover_out_of_memory,
             **kwargs,
         )
         self.embedding_offload = EmbeddingOffload(**offload)
@@ -94,17 +102,15 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
                 " take no batch)"
             )
         self.embedding_offload.take_tables(
-            self, trainer, self._timeout.total_seconds(), server_waited=self._waited_for_servers
+            self, trainer, self._timeout.total_seconds(), server_waited=_ServerWaits(self)
         )
         super().setup(trainer)  # DDP over the dense rest; the optimizers are configured from it
         self.embedding_offload.create_tables(trainer)
 
-    def _waited_for_servers(self, started: float, ended: float) -> None:
-        # the servers answer once every trainer pushed the update the lookup must see: a wait for the other
-        # trainers (and the servers), which the step clock must not count as this trainer's compute
-        clock = self.step_clock
-        if clock is not None and self.in_training_step:
-            clock.collective(started, ended)
+    @override
+    def _out_of_memory_obstacles(self) -> list[str]:
+        # an attempt's lookups and row gradients reach the embedding servers: a retry would push them twice
+        return ["the embedding tables' row gradients of an attempt reach the servers"]
 
     # training ------------------------------------------------------------------------------------------
 
@@ -206,3 +212,21 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
 
 
 HeterogeneousLayerOffloadStrategy.register_strategies(StrategyRegistry)
+
+
+class _ServerWaits:
+    """A trainer's waits for the embedding servers, on its step clock: the servers answer once every trainer
+    pushed the update the lookup must see, a wait for the other trainers (and the servers), which the step clock
+    must not count as this trainer's compute."""
+
+    def __init__(self, strategy: HeterogeneousLayerOffloadStrategy) -> None:
+        self._strategy = strategy
+
+    def now(self) -> Mark:
+        clock = self._strategy.step_clock
+        return clock.now() if clock is not None else None
+
+    def collective(self, started: Mark, ended: Mark) -> None:
+        clock = self._strategy.step_clock
+        if clock is not None and started is not None and self._strategy.in_training_step:
+            clock.collective(started, ended)
