@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from lightning_dynamix._checks import require_number
 from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
+from lightning_dynamix.control.allocation import validate_batch_size_caps
 from lightning_dynamix.metrics import StepClock, StepRecord
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
@@ -95,20 +96,6 @@ def _slowdown(name: str, value: object) -> float:
     return require_number(name, value, 1.0)
 
 
-def _memory_limits(limits: Sequence[int | None] | None, ranks: int) -> list[int | None] | None:
-    if limits is None:
-        return None
-    if isinstance(limits, str) or not isinstance(limits, Sequence) or len(limits) != ranks:
-        raise ValueError(
-            f"`memory_limits` must be a list with one limit (samples, or None) per rank, as `factors` has {ranks};"
-            f" got {limits!r}"
-        )
-    for rank, limit in enumerate(limits):
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"`memory_limits[{rank}]` must be an int >= 1 (samples) or None, got {limit!r}")
-    return list(limits)
-
-
 class HeterogeneityEmulator(Callback):
     """Slows ranks down by a factor each, changeable at scheduled steps. For benchmarks and tests.
 
@@ -138,7 +125,7 @@ class HeterogeneityEmulator(Callback):
         if isinstance(factors, str) or not isinstance(factors, Sequence) or not factors:
             raise ValueError(f"`factors` must be a non-empty list with one factor per rank, got {factors!r}")
         self.factors = [_slowdown(f"factors[{i}]", f) for i, f in enumerate(factors)]
-        self.memory_limits = _memory_limits(memory_limits, len(self.factors))
+        self.memory_limits = validate_batch_size_caps(memory_limits, "memory_limits", len(self.factors))
         entries: list[tuple[int, int, float]] = []
         for i, entry in enumerate(schedule):
             if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:

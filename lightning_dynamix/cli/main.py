@@ -7,6 +7,7 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_dynamix.bench import core as bench
+from lightning_dynamix.bench import device as bench_device
 from lightning_dynamix.bench import elastic as bench_elastic
 from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
 from lightning_dynamix.bench import offload as bench_offload
@@ -107,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench_elastic.add_arguments(elastic)
     elastic.set_defaults(func=bench_elastic.run)
+    device = benchmarks.add_parser(
+        "device", help="this machine's accelerator: exactness per precision, device timing, memory recovery, NVML"
+    )
+    bench_device.add_arguments(device)
+    device.set_defaults(func=bench_device.run)
     return parser
 
 

@@ -184,17 +184,24 @@ def respect_batch_size_caps(
     return round_to_total(proportional_fill(weights, total, low, caps), total, low, caps)
 
 
-def validate_batch_size_caps(caps: object) -> list[int | None] | None:
-    """``batch_size_caps`` as a list (one int >= 1 or ``None`` per rank), or ``None`` for no caps."""
+def validate_batch_size_caps(
+    caps: object, name: str = "batch_size_caps", ranks: int | None = None
+) -> list[int | None] | None:
+    """``caps`` as a list (one int >= 1 or ``None`` per rank, ``ranks`` of them where given), or ``None`` for none.
+
+    Raises:
+        ValueError: naming ``name``, for anything else.
+    """
     if caps is None:
         return None
     if isinstance(caps, (str, bytes)) or not isinstance(caps, Sequence) or not caps:
-        raise ValueError(f"`batch_size_caps` must be a list with one cap (an int >= 1, or None) per rank, got {caps!r}")
+        raise ValueError(f"`{name}` must be a list with one cap (samples: an int >= 1, or None) per rank, got {caps!r}")
+    if ranks is not None and len(caps) != ranks:
+        raise ValueError(f"`{name}` must hold one cap (samples, or None) per rank, {ranks} of them; got {caps!r}")
     for rank, cap in enumerate(caps):
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(
-                f"`batch_size_caps[{rank}]` must be an int >= 1 (the largest batch rank {rank}'s machine holds) or"
-                f" None, got {cap!r}"
+                f"`{name}[{rank}]` must be an int >= 1 (the most samples rank {rank} holds) or None, got {cap!r}"
             )
     return list(caps)
 

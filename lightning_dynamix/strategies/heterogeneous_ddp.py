@@ -89,7 +89,7 @@ from lightning_dynamix.distributed import (
 )
 from lightning_dynamix.distributed.batch_norm import fit_least_batch_size, has_global_batch_norm, statistics_over
 from lightning_dynamix.elastic import ResumeWeights, resume_sampler
-from lightning_dynamix.metrics.clocks import time_source_for
+from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 from lightning_dynamix.metrics.timers import StepClock
 from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
@@ -282,14 +282,16 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         already carries, for the samples of the whole accumulation window."""
         return self._hook_state.weight
 
-    def enable_step_clock(self) -> StepClock:
+    def enable_step_clock(self, time_source: TimeSource | None = None) -> StepClock:
         """Time every training step of this rank from now on (data, compute, sync wait, all-reduce).
 
-        Returns the :class:`~lightning_dynamix.metrics.StepClock`; calling it again returns the same one. On a
-        GPU it times the device with CUDA events on the rank's stream, elsewhere the host.
+        Returns the :class:`~lightning_dynamix.metrics.StepClock`; calling it again returns the same one. By
+        default it times the device with CUDA events on the rank's stream on a GPU, elsewhere the host;
+        ``time_source`` chooses another (the first call's is kept).
         """
         if self._step_clock is None:
-            self._step_clock = StepClock(time_source=time_source_for(self.root_device))
+            source = time_source if time_source is not None else time_source_for(self.root_device)
+            self._step_clock = StepClock(time_source=source)
             self._hook_state.clock = self._step_clock
             if self._train_loader is not None:
                 self._train_loader.step_clock = self._step_clock

@@ -1,4 +1,4 @@
-"""The overhead, hook, policy and elastic benches of ``dynamix``, run as a user runs them."""
+"""The overhead, hook, policy, elastic and device benches of ``dynamix``, run as a user runs them."""
 
 from __future__ import annotations
 
@@ -96,3 +96,21 @@ def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size
     for row in result.values():
         assert row["network_median_ms"] > 0
         assert 0 < row["median_ms"] <= row["p99_ms"]
+
+
+def test_bench_device_checks_exactness_and_out_of_memory_recovery_on_this_machines_device(tmp_path):
+    # on a CPU: the machinery of the GPU check, end to end (ranks launched as nodes of one device each)
+    printed = dynamix(
+        "bench", "device", "--checks", "exactness,memory,nvml", "--precisions", "32-true,16-mixed", "--steps", "8",
+        "--output", str(tmp_path / "device.json"), cwd=tmp_path,
+    )  # fmt: skip
+    rows = {row["check"]: row for row in json.loads((tmp_path / "device.json").read_text())["rows"]}
+    assert set(rows) == {"exactness 32-true", "exactness 16-mixed", "memory", "nvml"}
+    assert rows["exactness 32-true"]["verdict"] == "pass"
+    assert rows["memory"]["verdict"] == "pass"  # a step ran out of (emulated) memory and was trained again
+    assert rows["memory"]["result"].split()[0] != "0"
+    # what needs a GPU says so, and is neither passed nor failed
+    assert rows["exactness 16-mixed"]["verdict"] == rows["nvml"]["verdict"] == "not run"
+    assert "needs CUDA" in rows["exactness 16-mixed"]["result"]
+    assert "dynamix bench device on CPU" in printed
+    dynamix_here("bench", "device", "--checks", "speed", cwd=tmp_path, fails=True)

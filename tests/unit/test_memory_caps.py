@@ -171,7 +171,7 @@ def test_caps_and_memory_limits_are_checked_where_they_are_given():
         HeterogeneousDDPStrategy(batch_sizes=[4, 12], batch_size_caps=[None, 8])
     with pytest.raises(ValueError, match="`recover_out_of_memory` must be"):
         HeterogeneousDDPStrategy(recover_out_of_memory="yes")
-    with pytest.raises(ValueError, match=r"one limit .* per rank, as `factors` has 2"):
+    with pytest.raises(ValueError, match=r"`memory_limits` must hold one cap .* per rank, 2 of them"):
         HeterogeneityEmulator([1.0, 2.0], memory_limits=[8])
     with pytest.raises(ValueError, match=r"`memory_limits\[0\]` must be an int >= 1"):
         HeterogeneityEmulator([1.0, 2.0], memory_limits=[0, None])
