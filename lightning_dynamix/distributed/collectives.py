@@ -6,6 +6,7 @@ import atexit
 import os
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -94,6 +95,25 @@ def gather_floats(
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     return [t.tolist() for t in gathered]
+
+
+_host_group: list[object] = [None, None]  # the default group it was made beside, and the gloo group
+
+
+def host_group(timeout: timedelta | None = None) -> dist.ProcessGroup | None:
+    """A gloo group of every rank beside the default group: for a few host-side numbers (a flag per rank) that
+    must neither wait behind nor be confused with the default group's collectives (NCCL's or gloo's).
+
+    One a process for its current default group: the first call after a default group is made is a collective
+    (every rank calls it, in the same order relative to its other group creations); later calls return the same
+    group, so successive fits in one process share it (each gloo group holds threads and sockets). ``None``
+    without a process group of two ranks or more.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if _host_group[0] is not dist.group.WORLD:
+        _host_group[:] = [dist.group.WORLD, dist.new_group(backend="gloo", timeout=timeout)]
+    return _host_group[1]  # type: ignore[return-value]
 
 
 def broadcast_floats(values: Sequence[float], src: int = 0, device: torch.device | None = None) -> list[float]:

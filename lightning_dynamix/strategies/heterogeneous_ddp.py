@@ -388,7 +388,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 caps or [None] * self.world_size,
                 self.recover_out_of_memory is not False,
             )
-            self._memory.setup()  # a collective: every rank configures DDP
+            self._memory.setup(self._timeout)  # a collective at a process's first fit: every rank configures DDP
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_dynamix.control.allocation import respect_batch_size_caps
-from lightning_dynamix.distributed.collectives import gather_floats
+from lightning_dynamix.distributed.collectives import gather_floats, host_group
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +85,11 @@ class OutOfMemoryRecovery:
         """The rebuilt batch the next attempt of the step trains; ``None``: the loader's."""
         self.retry_pending = False
 
-    def setup(self) -> None:
-        """Create the group the trial steps' outcome is gathered over: a collective, on every rank."""
+    def setup(self, timeout: timedelta | None = None) -> None:
+        """Find the group the trial steps' outcome is gathered over (:func:`host_group`, made at the first fit of a
+        process: a collective, on every rank)."""
         if self.enabled and self.world_size > 1 and self._group is None:
-            self._group = dist.new_group(backend="gloo")  # host flags, never in the way of NCCL's streams
+            self._group = host_group(timeout)  # host flags, never in the way of NCCL's streams
 
     # ------------------------------------------------------------------ a step
     def is_trial(self, sizes: tuple[int, ...]) -> bool:
