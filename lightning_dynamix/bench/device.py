@@ -253,6 +253,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from lightning.pytorch import Callback, Trainer
 
+    from lightning_dynamix.bench.timing import timed_trainer
     from lightning_dynamix.callbacks import ClusterMetricsMonitor, DynamixCallback, HeterogeneityEmulator
     from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
     from lightning_dynamix.metrics import HostClock
@@ -302,20 +303,8 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         process_group_backend="nccl" if kind == "pid" and accelerator == "cuda" else "gloo",
         timeout=timedelta(seconds=120),
     )
-    trainer = Trainer(
-        accelerator=accelerator,
-        devices=1,
-        num_nodes=world,
-        precision=spec.get("precision", "32-true"),
-        strategy=strategy,
-        max_steps=spec["steps"],
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+    trainer = timed_trainer(
+        strategy, spec["steps"], callbacks, accelerator, num_nodes=world, precision=spec.get("precision", "32-true")
     )
     data = ClassificationDataModule(num_samples=NUM_SAMPLES, num_features=FEATURES, batch_size=sizes[0], seed=0)
     task = ClassificationTask(num_features=FEATURES, hidden=HIDDEN[accelerator], depth=2, seed=0, lr=0.05)
@@ -328,7 +317,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if kind in ("timing", "pid"):
         states = [record.state for record in monitor.history][1:]  # the first interval: still settling
-        own = [s.workers[0].compute_time - 0.0 for s in states]
+        own = [s.workers[0].compute_time for s in states]
         result["compute_time"] = statistics.median(own) if own else float("nan")
         last = states[-3:]
         result["throughput_to_ideal"] = (

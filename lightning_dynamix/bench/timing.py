@@ -80,9 +80,11 @@ class StepTimer(Callback):
         ]
 
 
-def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu") -> Trainer:
+def timed_trainer(
+    strategy: Any, steps: int, callbacks: list[Any], accelerator: str = "cpu", **trainer_kwargs: Any
+) -> Trainer:
     """A Trainer for a measurement: one device, ``steps`` training steps, and nothing else (no logger,
-    checkpoint, validation or progress bar)."""
+    checkpoint, validation or progress bar); ``trainer_kwargs`` adds to it (``num_nodes``, ``precision``)."""
     return Trainer(
         accelerator=accelerator,
         devices=1,
@@ -95,4 +97,5 @@ def timed_trainer(strategy: Any, steps: int, callbacks: list[Any], accelerator: 
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=callbacks,
+        **trainer_kwargs,
     )

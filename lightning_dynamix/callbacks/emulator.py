@@ -151,7 +151,7 @@ class HeterogeneityEmulator(Callback):
         self._strategy: HeterogeneousDDPStrategy | None = None
         self._spin: CudaSpin | None = None  # on a GPU: the slowdown is device time
         self._own: deque[tuple[int, float]] = deque(maxlen=4 * _RECENT_STEPS)  # (batch size, own device compute)
-        self._read: StepRecord | None = None
+        self._last_read: StepRecord | None = None  # the clock's latest record already counted in _own
 
     def factor_at(self, rank: int, step: int) -> float:
         """Rank ``rank``'s factor at optimizer step ``step``."""
@@ -190,9 +190,9 @@ class HeterogeneityEmulator(Callback):
         last = self._clock.last_step
         if self._spin is not None:
             self._slept = 0.0
-            if last is not None and last is not self._read and last.batch_size > 0:  # read from the device since
+            if last is not None and last is not self._last_read and last.batch_size > 0:  # read from the device since
                 self._own.append((last.batch_size, max(0.0, last.compute_time - last.slowdown)))
-            self._read = last
+            self._last_read = last
             return
         if last is not None and self._backward_seen and self._forward > 0:
             self._ratios.append(max(0.0, last.compute_time - self._slept) / self._forward)

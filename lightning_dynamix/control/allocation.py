@@ -206,6 +206,26 @@ def validate_batch_size_caps(
     return list(caps)
 
 
+def check_within_caps(sizes: Sequence[int], caps: Sequence[int | None] | None, what: str = "ranks") -> None:
+    """Raise ``ValueError`` where a size you gave exceeds its rank's cap (``caps`` ``None``: no caps)."""
+    if caps is None:
+        return
+    over = [r for r, (b, c) in enumerate(zip(sizes, caps)) if c is not None and b > c]
+    if over:
+        raise ValueError(
+            f"`batch_sizes` {list(sizes)} give {what} {over} more samples than their caps {list(caps)}"
+            " (batch_size_caps, or lowered after they ran out of memory); give them at most their cap"
+        )
+
+
+def fit_within_caps(sizes: Sequence[int], caps: Sequence[int | None] | None, least: int) -> tuple[int, ...] | None:
+    """``sizes`` split within ``caps`` (sizes you did not choose, such as a DataLoader's ``batch_size`` on every
+    rank), none below ``least`` where it trains; ``None`` where they already fit."""
+    if caps is None or all(c is None or b <= c for b, c in zip(sizes, caps)):
+        return None
+    return respect_batch_size_caps(sizes, caps, [least if b else 0 for b in sizes])
+
+
 def split_in_proportion(
     total: int, weights: Sequence[float], lower: Sequence[int], upper: Sequence[int | None]
 ) -> tuple[int, ...]:

@@ -348,7 +348,10 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
 
     def indices_at(self, step: int) -> list[int]:
         """This rank's sample indices at ``step`` of the current epoch, under the schedule as it is now."""
-        cursor, sizes = self.schedule.step_at(step)
+        return self._indices(self.schedule, step)
+
+    def _indices(self, schedule: EpochSchedule, step: int) -> list[int]:
+        cursor, sizes = schedule.step_at(step)
         start = cursor + sum(sizes[: self.rank])
         return self.sampler.indices(start, start + sizes[self.rank])
 
@@ -376,7 +379,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                     f" {self._schedule_epoch} was still producing batches; create a new iterator after set_epoch"
                     " so that no batch of the old epoch is mixed into the new one."
                 )
-            indices = self.indices_at(step)
+            indices = self._indices(schedule, step)
             self._produced = step + 1
             yield indices
             step += 1

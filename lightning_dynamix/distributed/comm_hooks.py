@@ -68,7 +68,8 @@ def _bucket_result(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Te
     return future.value()[0]
 
 
-def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """The squared norm of a gradient bucket, a 0-dim tensor on its device (float32 at least)."""
     flat = tensor if tensor.dtype in (torch.float32, torch.float64) else tensor.float()
     return torch.dot(flat, flat)  # one fused pass, no temporary the size of the bucket
 
@@ -93,7 +94,7 @@ def weighted_allreduce_hook(
         return alone
     norms = state.norms
     if norms is not None:
-        norms.local.append(_squared_norm(tensor))
+        norms.local.append(squared_norm(tensor))
     started = clock.bucket_ready(tensor.numel() * tensor.element_size()) if clock is not None else 0.0
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
     if clock is None and norms is None:
@@ -104,7 +105,7 @@ def weighted_allreduce_hook(
         if clock is not None:
             clock.bucket_done(started)
         if norms is not None:
-            norms.reduced.append(_squared_norm(result))
+            norms.reduced.append(squared_norm(result))
         return result
 
     return work.get_future().then(measured)

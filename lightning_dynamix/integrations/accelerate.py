@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 
 from lightning_dynamix._checks import require_bool, require_int, require_optional_int
 from lightning_dynamix.control import BatchController, Decision
-from lightning_dynamix.control.allocation import respect_batch_size_caps, validate_batch_size_caps
+from lightning_dynamix.control.allocation import check_within_caps, fit_within_caps, validate_batch_size_caps
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
@@ -302,13 +302,7 @@ class DynamixAccelerate:
                 min_batch_size=self.min_batch_size,
                 max_batch_size=self.max_batch_size,
             )
-            capped = caps if caps is not None else [None] * len(self._initial_sizes)
-            over = [r for r, (b, c) in enumerate(zip(self._initial_sizes, capped)) if c is not None and b > c]
-            if over:
-                raise ValueError(
-                    f"`batch_sizes` {list(self._initial_sizes)} give processes {over} more samples than their"
-                    f" `batch_size_caps` {caps}; give them at most their cap"
-                )
+            check_within_caps(self._initial_sizes, caps, "processes")
         self.loss_reduction = validate_loss_reduction(loss_reduction)
         require_int("seed", seed, None)
         self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
@@ -442,10 +436,9 @@ class DynamixAccelerate:
             owner="DynamixAccelerate",
             instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
-        caps = self.batch_size_caps
-        if caps is not None and any(c is not None and b > c for b, c in zip(sampler.batch_sizes, caps)):
-            least = [self.least_batch_size if b else 0 for b in sampler.batch_sizes]
-            sampler.set_batch_sizes(respect_batch_size_caps(sampler.batch_sizes, caps, least), from_step=0)
+        fitted = fit_within_caps(sampler.batch_sizes, self.batch_size_caps, self.least_batch_size)
+        if fitted is not None:
+            sampler.set_batch_sizes(fitted, from_step=0)
         loader = HeterogeneousDataLoader.like(dataloader, sampler)
         loader.resume = functools.partial(self._resume_sampler, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)

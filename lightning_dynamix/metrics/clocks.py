@@ -90,7 +90,8 @@ class HostClock:
 class CudaEventClock:
     """Device timestamps: a timing CUDA event recorded on the current stream of ``device`` at each event.
 
-    Recording costs a few microseconds of CPU and nothing on the device; events are reused once read.
+    Recording an event is one call into the CUDA driver on the host and a marker on the stream; events are
+    reused once read.
     Times are read between events of the same step (``elapsed``), never against an origin hours back: a CUDA
     event's elapsed time is a float32 of milliseconds, which would lose the sub-millisecond resolution.
 

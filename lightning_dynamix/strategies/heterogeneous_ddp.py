@@ -67,7 +67,7 @@ from typing_extensions import override
 
 from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_bool, require_int, require_optional_int
-from lightning_dynamix.control.allocation import respect_batch_size_caps, validate_batch_size_caps
+from lightning_dynamix.control.allocation import check_within_caps, fit_within_caps, validate_batch_size_caps
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
 from lightning_dynamix.data.loader import new_sampler_for
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
@@ -225,12 +225,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
         caps = self.current_batch_size_caps
         if caps is not None and len(caps) == len(sizes):
-            over = [r for r, (b, c) in enumerate(zip(sizes, caps)) if c is not None and b > c]
-            if over:
-                raise ValueError(
-                    f"`batch_sizes` {list(sizes)} give ranks {over} more samples than their caps {list(caps)}"
-                    " (batch_size_caps, or lowered after they ran out of memory); give them at most their cap"
-                )
+            check_within_caps(sizes, caps)
         return sizes
 
     @property
@@ -451,12 +446,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     def _fit_caps(self, sampler: HeterogeneousBatchSampler) -> None:
         """Sizes not chosen by you (the DataLoader's ``batch_size`` on every rank) split within the ranks' caps."""
         caps = self.current_batch_size_caps
-        sizes = sampler.batch_sizes
-        if caps is None or sampler.next_step > 0 or all(c is None or b <= c for b, c in zip(sizes, caps)):
-            return
-        fitted = respect_batch_size_caps(sizes, caps, [self.least_batch_size if b else 0 for b in sizes])
-        log.info("HeterogeneousDDPStrategy: sizes %s split within the ranks' caps %s: %s", list(sizes), caps, fitted)
-        sampler.set_batch_sizes(fitted, from_step=0)
+        fitted = fit_within_caps(sampler.batch_sizes, caps, self.least_batch_size) if sampler.next_step == 0 else None
+        if fitted is not None:
+            log.info("HeterogeneousDDPStrategy: sizes split within the ranks' caps %s: %s", caps, fitted)
+            sampler.set_batch_sizes(fitted, from_step=0)
 
     def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
         """Load a checkpoint's position in the training data, saved by this number of ranks or another."""
@@ -640,7 +633,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if not any(failed_at):  # every rank trained it: the all-reduce DDP's hook would have made
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             started = clock.bucket_ready(sum(g.numel() * g.element_size() for g in grads)) if clock else None
-            local_sq, global_sq, _ = all_reduce_gradients(self.model, weighting.sync_weight())
+            local_sq, global_sq = all_reduce_gradients(self.model, weighting.sync_weight())
             if clock is not None:
                 clock.bucket_done(started)
                 clock.backward_end()

@@ -38,6 +38,7 @@ from torch.nn import Module
 
 from lightning_dynamix.control.allocation import respect_batch_size_caps
 from lightning_dynamix.distributed.collectives import gather_floats, host_group
+from lightning_dynamix.distributed.comm_hooks import squared_norm
 
 log = logging.getLogger(__name__)
 
@@ -195,38 +196,28 @@ class OutOfMemoryRecovery:
         self.retry_batch = None
         self.retry_pending = False
 
-    def abandon(self) -> None:
-        """Training left the step by an error: nothing of the attempt is kept."""
-        self._end()
 
-
-def all_reduce_gradients(module: Module, weight: float, group: Any = None) -> tuple[Tensor, Tensor, int]:
+def all_reduce_gradients(module: Module, weight: float, group: Any = None) -> tuple[Tensor, Tensor]:
     """SUM every parameter's gradient, times ``weight``, over ``group`` in one flat all-reduce per dtype and device.
 
     What DDP's weighted hook does for a step that trained without it. Returns the squared norm of this rank's
-    weighted gradient, of the summed one (for the gradient noise scale) and the bytes all-reduced.
+    weighted gradient and of the summed one (the gradient noise scale's input), as the hook measures a bucket.
     """
-    grads = [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
-    if not grads:
-        zero = torch.zeros(())
-        return zero, zero, 0
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
-    for grad in grads:
-        by_kind.setdefault((grad.dtype, grad.device), []).append(grad)
-    local_sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    global_sq = torch.zeros_like(local_sq)
-    sent = 0
-    for same in by_kind.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
+    for parameter in module.parameters():
+        if parameter.requires_grad and parameter.grad is not None:
+            by_kind.setdefault((parameter.grad.dtype, parameter.grad.device), []).append(parameter.grad)
+    local_sq, global_sq = [], []
+    for grads in by_kind.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         if weight != 1.0:
             flat.mul_(weight)
-        local_sq += torch.dot(flat.double(), flat.double()).to(local_sq.device)
+        local_sq.append(squared_norm(flat))
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        global_sq += torch.dot(flat.double(), flat.double()).to(global_sq.device)
-        sent += flat.numel() * flat.element_size()
-        offset = 0
-        for grad in same:
-            n = grad.numel()
-            grad.copy_(flat[offset : offset + n].view_as(grad))
-            offset += n
-    return local_sq, global_sq, sent
+        global_sq.append(squared_norm(flat))
+        for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(reduced.view_as(grad))
+    if not local_sq:
+        return torch.zeros(()), torch.zeros(())
+    device = local_sq[0].device
+    return torch.stack([t.to(device) for t in local_sq]).sum(), torch.stack([t.to(device) for t in global_sq]).sum()

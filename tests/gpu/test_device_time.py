@@ -1,68 +1,71 @@
 """Device time on a GPU: CUDA events, the emulator's spin kernel, the allocator's counters (skipped without CUDA).
 
-The host only queues the kernels: the step clock's CUDA-event marks must give the device's time for a step
-whose host time is a few launches, without a synchronisation per step; the emulator's spin must last the
-seconds asked on the device; the memory reader must find the bytes a sample costs.
+The step clock's CUDA-event marks must give the device time their events span, read without a wait for the
+device at any step's end; the memory reader must find the bytes a sample costs. How long the emulator's spin
+lasts against what was asked is a figure of the device, checked by ``dynamix bench device`` (timing 1:3).
 """
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
 
 from lightning_dynamix.callbacks.emulator import CudaSpin
-from lightning_dynamix.metrics import CudaEventClock, HostClock, StepClock
+from lightning_dynamix.metrics import CudaEventClock, StepClock
 from lightning_dynamix.metrics.memory import CudaMemoryReader, DeviceMemory
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
 
-def step(clock: StepClock, spin: CudaSpin, seconds: float) -> None:
-    """A step whose compute is ``seconds`` of device time, queued in microseconds."""
+class CountedWaits(CudaEventClock):
+    """CUDA events that count every read that had to wait for the device (a mark it had not reached)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.waits = 0
+
+    def elapsed(self, start, end):  # type: ignore[no-untyped-def]
+        self.waits += not (start.query() and end.query())
+        return super().elapsed(start, end)
+
+
+def step(clock: StepClock, spin: CudaSpin, seconds: float, reference: list | None = None) -> None:
+    """A step whose compute is ``seconds`` of device time; ``reference`` gets events recorded beside the clock's."""
     clock.data_start()
     clock.data_end(32)
+    begin = torch.cuda.Event(enable_timing=True)
+    begin.record()
     spin.spin(seconds)
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
     clock.bucket_done(clock.bucket_ready(4096))
     clock.backward_end()
     clock.step_end()
+    if reference is not None:
+        reference.append((begin, end))
 
 
-def test_cuda_event_marks_time_the_device_where_the_host_only_queued_the_kernels():
+def test_the_step_clock_reads_the_device_time_its_events_span():
+    # compared with events of our own recorded beside the clock's, with nothing queued between: no threshold on speed
     spin = CudaSpin("cuda")
-    on_device = StepClock(time_source=CudaEventClock("cuda"), cpu_quota=None)
-    on_host = StepClock(time_source=HostClock(), cpu_quota=None)
-    torch.cuda.synchronize()
-    for clock in (on_device, on_host):
-        for _ in range(5):
-            step(clock, spin, 0.02)
-        torch.cuda.synchronize()
-    assert on_device.summary().compute_time == pytest.approx(0.02, rel=0.1)
-    assert on_host.summary().compute_time < 0.005  # the launches only
+    clock = StepClock(time_source=CudaEventClock("cuda"), cpu_quota=None)
+    reference: list = []
+    for _ in range(5):
+        step(clock, spin, 0.02, reference)
+    summary = clock.summary()
+    spans = [begin.elapsed_time(end) / 1000.0 for begin, end in reference]
+    assert summary.compute_time == pytest.approx(sum(spans) / len(spans), abs=1e-4)
 
 
 def test_a_step_is_read_without_waiting_for_the_device_until_the_interval_ends():
+    # whatever the host's speed: a step's marks are read at a step's end only where the device passed them
     spin = CudaSpin("cuda")
-    clock = StepClock(time_source=CudaEventClock("cuda"), cpu_quota=None)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
+    source = CountedWaits("cuda")
+    clock = StepClock(time_source=source, cpu_quota=None)
     for _ in range(5):
         step(clock, spin, 0.05)
-    queued = time.perf_counter() - started
-    assert queued < 0.1  # 250 ms of device work queued: no step waited for it
-    assert clock.summary().steps == 5  # the interval's end waits once
-
-
-def test_the_spin_kernel_lasts_the_seconds_asked_on_the_device():
-    spin = CudaSpin("cuda")
-    for seconds in (0.005, 0.05):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        spin.spin(seconds)
-        end.record()
-        end.synchronize()
-        assert start.elapsed_time(end) / 1000.0 == pytest.approx(seconds, rel=0.1)
+    assert source.waits == 0
+    assert clock.summary().steps == 5  # the interval's end reads the rest, waiting where it must
 
 
 def test_the_allocator_counters_give_the_bytes_a_sample_costs_and_a_cap():

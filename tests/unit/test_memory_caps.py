@@ -151,7 +151,11 @@ def test_a_step_split_anew_is_rebuilt_also_where_it_was_prefetched_at_the_old_si
     batches = iter(loader)
     assert next(batches).tolist() == [0, 1, 2, 3]
     assert next(batches).tolist() == [12, 13, 14, 15]  # step 1; the worker read steps 2 and 3 ahead
+    assert not sampler.was_resplit(2)
     sampler.resplit(1, [6, 6])
+    assert sampler.was_resplit(2)  # produced at [4, 8] before the resplit, for the worker to read ahead
+    assert sampler.was_resplit(3)
+    assert not sampler.was_resplit(5)
     assert loader.resplit_current().tolist() == [12, 13, 14, 15, 16, 17]  # the step being trained
     assert loader.current_batch_sizes == (6, 6)
     assert next(batches).tolist() == [24, 25, 26, 27, 28, 29]  # prefetched at [4, 8]: rebuilt
