@@ -127,7 +127,8 @@ class CudaEventClock:
         return start.elapsed_time(end) / 1000.0
 
     def release(self, mark: Mark) -> None:
-        if len(self._free) < 256:
+        # never twice in the pool: two later marks would share one event, the second recorded over the first
+        if len(self._free) < 256 and not any(event is mark for event in self._free):
             self._free.append(mark)
 
 
@@ -194,9 +195,12 @@ class FakeEventClock:
     def __init__(self, device: FakeDevice) -> None:
         self.device = device
         self.waits = 0  # reads that made the host wait for the device
+        self._held: dict[int, FakeEvent] = {}  # marks handed out and not released yet
 
     def mark(self) -> FakeEvent:
-        return self.device.reached()
+        mark = self.device.reached()
+        self._held[id(mark)] = mark
+        return mark
 
     def ready(self, mark: Mark) -> bool:
         return bool(mark.time <= self.device.host)
@@ -209,4 +213,7 @@ class FakeEventClock:
         return float(end.time - start.time)
 
     def release(self, mark: Mark) -> None:
-        pass
+        # a CUDA event pool hands a released event out again: releasing a mark twice would let two later marks
+        # share one event, the second recorded over the first
+        if self._held.pop(id(mark), None) is None:
+            raise RuntimeError(f"FakeEventClock: {mark} released twice, or never handed out by this clock")

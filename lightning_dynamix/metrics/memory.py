@@ -61,7 +61,8 @@ class CudaMemoryReader:
         device = torch.device(device)
         if device.type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"`device` must be an available CUDA device for CudaMemoryReader, got {str(device)!r}")
-        self.device = device
+        # an index: torch's memory-fraction query refuses a bare "cuda"
+        self.device = device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
     def allocated(self) -> int:
         return int(torch.cuda.memory_allocated(self.device))

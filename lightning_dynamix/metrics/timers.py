@@ -124,8 +124,12 @@ class _PendingStep:
     collectives: list[tuple[Mark, Mark]]
 
     def all_marks(self) -> list[Mark]:
+        """Every mark of the step, each once: the last bucket's ready mark also starts its all-reduce's span, and a
+        time source that reuses its marks (CUDA events) must get each back once, or two later marks would share
+        one event, the second recorded over the first."""
         spans = [m for span in (*self.comm_spans, *self.collectives) for m in span]
-        return [*(m for m in self.marks.values() if m is not None), *spans]
+        unique = {id(m): m for m in (*(m for m in self.marks.values() if m is not None), *spans)}
+        return list(unique.values())
 
 
 _MAX_PENDING = 64  # steps waiting for the device before one is read by waiting (never reached in practice)

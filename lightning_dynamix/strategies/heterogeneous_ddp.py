@@ -337,6 +337,18 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------ DDP set-up
     @override
+    def setup_environment(self) -> None:
+        device = self.root_device
+        if self.process_group_backend == "nccl" and device.type != "cuda":
+            # before the process group: NCCL would fail later, on this rank's first collective, without saying why
+            raise MisconfigurationException(
+                f"HeterogeneousDDPStrategy(process_group_backend='nccl') on rank {self.global_rank}, which trains on"
+                f" {device}: NCCL carries CUDA tensors only, so every rank must train on a GPU. For a job that mixes"
+                " GPU and CPU ranks use process_group_backend='gloo' (which carries CUDA and CPU tensors alike)."
+            )
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: Any) -> None:
         sync = isinstance(_compat.layer_sync(self), TorchSyncBatchNorm) and trainer.state.fn == TrainerFn.FITTING
         if sync:  # torch's SyncBatchNorm needs GPUs and one group for good; ours any device and the ranks that train

@@ -247,3 +247,11 @@ def test_ranks_that_may_sit_out_need_automatic_optimisation():
 
     with pytest.raises(MisconfigurationException, match=r"min_batch_size=0\) needs automatic optimisation"):
         fit(Manual(), HeterogeneousDDPStrategy(min_batch_size=0), max_steps=2)
+
+
+def test_nccl_on_a_cpu_rank_is_refused_before_the_process_group_naming_gloo():
+    # a job mixing GPU and CPU ranks: the CPU rank says what to use instead of failing at its first collective
+    strategy = HeterogeneousDDPStrategy(process_group_backend="nccl")
+    with pytest.raises(MisconfigurationException, match=r"rank 0, which trains on cpu.*process_group_backend='gloo'"):
+        fit(Model(), strategy, max_steps=1)
+    assert not torch.distributed.is_initialized()
