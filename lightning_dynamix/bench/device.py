@@ -3,7 +3,9 @@
 Every check trains the built-in classifier (``ClassificationTask``) under Lightning in processes of its
 own, whose ranks this command launches as nodes of one device each: two ranks share one GPU the way a
 machine with one GPU runs them (gloo carries the CUDA tensors, as NCCL refuses two ranks on one device).
-On a machine without a GPU the same checks run on the CPU. The report is one table (and JSON):
+A job's fits run one after another in the same processes (a process's start, imports and CUDA context
+cost about 20 s on a GPU machine). On a machine without a GPU the same checks run on the CPU. The report
+is one table (and JSON), each row also printed and written as its check ends:
 
 * ``exactness <precision>`` (``32-true``, ``16-mixed`` with its GradScaler, ``bf16-mixed``): two ranks on
   uneven sizes that change every few steps, against one process training the same global batches at the
@@ -12,20 +14,30 @@ On a machine without a GPU the same checks run on the CPU. The report is one tab
   twice the even split's, plus 1e-6.
 * ``timing 1:3``: one rank under ``HeterogeneityEmulator`` at factor 1, then 3, its compute per step as the
   step clock measures it (CUDA events on a GPU) and, in a run beside it, as ``perf_counter`` measures it:
-  the ratio of the two factors for each clock. Passes where the step clock's ratio is within 10% of 3.
+  the ratio of the two factors for each clock. Passes where the step clock's ratio is within 10% of 3. On a
+  GPU the row also times the emulator's spin kernel against the seconds it was asked for.
 * ``pid 1:3``: two ranks, one three times slower, ``DynamixCallback("pid")``: throughput against the ideal
   (the sum of the ranks' own speeds) over the last intervals, for the step clock and for ``perf_counter``
-  timing. Passes at >= 0.95 for the step clock. Needs a device per rank: on one GPU the two ranks would share
-  its time, so it is reported as not run. On a CPU ``timing`` and ``pid`` report their figures without a
-  verdict: the emulator sleeps there, and its balance is ``dynamix bench balance``'s to judge.
-* ``memory``: two ranks; rank 1's memory holds fewer samples than a resize gives it (a per-process memory
-  fraction on a GPU, ``HeterogeneityEmulator(memory_limits=...)`` elsewhere): the step that ran out of memory
-  trained again split anew, against one process. Passes where a step was recovered and the parameters are
-  as close as the exactness check's.
+  timing. Passes at >= 0.95 for the step clock. Needs a device per rank (NCCL, each rank seeing its own GPU):
+  on one GPU the two ranks would share its time, so it is reported as not run. On a CPU ``timing`` and ``pid``
+  report their figures without a verdict: the emulator sleeps there, and its balance is ``dynamix bench
+  balance``'s to judge.
+* ``memory``: two ranks; rank 1's memory holds fewer samples than a resize gives it (on a GPU a per-process
+  memory fraction set from the bytes its own steps needed, 8192 samples a step; elsewhere
+  ``HeterogeneityEmulator(memory_limits=...)``, 64): the step that ran out of memory trained again split
+  anew, against one process. Passes where a step was recovered and the parameters are as close as the
+  exactness check's.
+* ``mixed``: a GPU rank beside a CPU rank (needs a GPU). With ``process_group_backend="nccl"`` the CPU rank
+  refuses at set-up, naming gloo; with gloo the two train uneven sizes in float64 against one process on the
+  GPU. Passes where the refusal names the way out and the parameters equal one process to 1e-9.
+* ``offload``: the DLRM example's step time with its 26 tables in the trainer (on the GPU, where there is
+  one) against the tables on one embedding server (on the CPU), at staleness 0 and 1: figures, from
+  ``dynamix bench offload`` (a shorter run; that command's page has the whole measurement).
 * ``nvml``: the GPU metrics gathered with every rank's measurements (utilisation, memory, power,
   temperature) finite; on a CPU they are NaN by design, and the check is reported as not run.
 
-Run with ``--checks`` to choose; ``--budget`` bounds each job's seconds.
+Run with ``--checks`` to choose; ``--budget`` bounds each job's seconds. ``python -m
+lightning_dynamix.bench.device`` runs it without the ``dynamix`` command's other dependencies.
 """
 
 from __future__ import annotations
@@ -42,11 +54,19 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("exactness", "timing", "pid", "memory", "nvml")
+CHECKS = ("exactness", "timing", "pid", "memory", "mixed", "offload", "nvml")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 NUM_SAMPLES, FEATURES = 8192, 64
 HIDDEN = {"cpu": 1024, "cuda": 4096}  # steps long enough that a sleep's or a spin's error is small beside them
 UNEVEN = {0: [10, 54], 4: [40, 24], 8: [22, 42], 12: [51, 13]}  # step -> sizes (64 a step)
+# the memory check: rank 1 trains 2048 then 4096 samples (its steps measure the bytes a sample needs), its
+# memory is then limited to about 6144, and it is given 7168 (8192 a step on a GPU: margins of hundreds of MB
+# beside the caching allocator's rounding); 64 a step against an emulated limit elsewhere
+MEMORY = {
+    "cuda": ({0: [6144, 2048], 2: [4096, 4096], 4: [1024, 7168]}, 6144),
+    "cpu": ({0: [32, 32], 4: [8, 56]}, 40),
+}
+OFFLOAD_SETUPS = ("in-process", "1 server", "1 server, staleness 1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=16, help="steps of each exactness and memory job (default 16)")
     parser.add_argument("--timing-steps", type=int, default=60, help="steps of each timing job (default 60)")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds one job may take (default 240)")
+    parser.add_argument("--offload-rounds", type=int, default=2, help="rounds of the offload check (default 2)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
@@ -86,22 +107,30 @@ def run(args: argparse.Namespace) -> None:
         raise SystemExit("--accelerator cuda: CUDA is not available on this machine")
     card = torch.cuda.get_device_name(0) if accelerator == "cuda" else "CPU"
     rows: list[dict[str, Any]] = []
+    # each row as its check ends, and the JSON rewritten: a run cut short still reports what it finished
+    print(f"dynamix bench device on {card} ({accelerator})", flush=True)
     with tempfile.TemporaryDirectory(prefix="dynamix-device-") as folder:
         out = Path(folder)
         runner = _Runner(out, accelerator, args.budget)
         for check in checks:
             started = time.perf_counter()
-            new = getattr(sys.modules[__name__], f"_check_{check}")(runner, args)
+            try:
+                new = globals()[f"_check_{check}"](runner, args)
+            except Exception as error:  # one check's failure is its row; the others still run
+                print(f"check {check} failed:\n{error}", file=sys.stderr, flush=True)
+                last = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
+                new = [_row(check, f"error: {last}", "runs", False)]
             for row in new:
                 row["seconds"] = round(time.perf_counter() - started, 1)
+                print(f"{row['check']}: {row['result']} [{row['target']}] {row['verdict']}", flush=True)
             rows += new
+            if args.output is not None:
+                record = {"machine": machine_description(), "card": card, "config": arguments_record(args)}
+                args.output.write_text(json.dumps({**record, "rows": rows}, indent=2))
     print(f"\ndynamix bench device on {card} ({accelerator})")
     print(f"{'check':<24} {'result':<58} {'target':<34} verdict")
     for row in rows:
         print(f"{row['check']:<24} {row['result']:<58} {row['target']:<34} {row['verdict']}")
-    if args.output is not None:
-        record = {"machine": machine_description(), "card": card, "config": arguments_record(args), "rows": rows}
-        args.output.write_text(json.dumps(record, indent=2))
 
 
 class _Runner:
@@ -110,26 +139,62 @@ class _Runner:
     def __init__(self, out: Path, accelerator: str, budget: float) -> None:
         self.out, self.accelerator, self.budget = out, accelerator, budget
         self.jobs = 0
+        self.timing: dict[str, Any] | None = None  # the timing check's run at factor 1, for nvml
 
-    def __call__(self, world: int, **spec: Any) -> list[dict[str, Any]]:
+    def __call__(self, world: int, runs: list[dict[str, Any]], **job: Any) -> list[list[dict[str, Any]]]:
+        """Each run's result on every rank (``[run][rank]``): the runs are fits one after another in the same
+        processes (a process's start, imports and CUDA context cost seconds on a GPU machine); a
+        ``RuntimeError`` with the log of a rank that failed or ran past the budget."""
+        started = time.perf_counter()
+        name, procs = self._launch(world, range(world), runs, job)
+        failed = self._wait(procs)
+        kinds = ",".join(sorted({run["kind"] for run in runs}))
+        took = time.perf_counter() - started
+        print(f"  {len(runs)} {kinds} run(s) on {world} rank(s): {took:.1f} s", file=sys.stderr, flush=True)
+        if failed is not None:
+            rank, code = failed
+            text = (self.out / f"{name}-{rank}.log").read_text()[-3000:]
+            what = "ran past --budget" if code is None else f"exited with {code}"
+            raise RuntimeError(f"{kinds} job, rank {rank} {what}:\n{text}")
+        by_rank = [json.loads((self.out / f"{name}-{rank}.json").read_text()) for rank in range(world)]
+        return [[results[index] for results in by_rank] for index in range(len(runs))]
+
+    def failure(self, world: int, ranks: list[int], runs: list[dict[str, Any]], **job: Any) -> str:
+        """The log of ``ranks`` of a job that must fail (the others not launched); a ``RuntimeError`` if it did not."""
+        name, procs = self._launch(world, ranks, runs, job)
+        failed = self._wait(procs)
+        logs = "".join((self.out / f"{name}-{rank}.log").read_text() for rank in ranks)
+        if failed is None or failed[1] is None:
+            raise RuntimeError(f"the job on ranks {ranks} was to fail at once, but did not:\n{logs[-3000:]}")
+        return logs
+
+    def _launch(
+        self, world: int, ranks: Any, runs: list[dict[str, Any]], job: dict[str, Any]
+    ) -> tuple[str, list[tuple[int, Any, Any]]]:
         from lightning_dynamix.distributed.ports import free_port
 
         self.jobs += 1
         name = f"job{self.jobs}"
-        spec.update(name=name, world=world, accelerator=self.accelerator, out=str(self.out))
+        spec = dict(job, runs=runs, name=name, world=world, accelerator=self.accelerator, out=str(self.out))
         port = free_port()
         procs = []
-        for rank in range(world):
+        for rank in ranks:
             env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env.update(WORLD_SIZE=str(world), NODE_RANK=str(rank), LOCAL_RANK="0")
             for unset in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(unset, None)
+            if job.get("gpu_per_rank"):  # each rank's node sees its own GPU as device 0
+                env["CUDA_VISIBLE_DEVICES"] = str(rank)
             command = [sys.executable, "-m", "lightning_dynamix.bench.device", "--job", json.dumps(spec)]
-            log = open(self.out / f"{name}-{rank}.log", "w")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            log = open(self.out / f"{name}-{rank}.log", "w")  # noqa: SIM115 - closed in _wait
+            procs.append((rank, subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        return name, procs
+
+    def _wait(self, procs: list[tuple[int, Any, Any]]) -> tuple[int, int | None] | None:
+        """The first rank that failed and its exit code (``None``: past the budget), after every process ended."""
         deadline = time.monotonic() + self.budget
         failed = None
-        for rank, (proc, log) in enumerate(procs):
+        for rank, proc, log in procs:
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -138,34 +203,47 @@ class _Runner:
             if code != 0 and failed is None:
                 failed = (rank, code)
         if failed is not None:
-            for proc, _ in procs:
+            for _, proc, _ in procs:
                 proc.kill()
-            rank, code = failed
-            text = (self.out / f"{name}-{rank}.log").read_text()[-3000:]
-            what = "ran past --budget" if code is None else f"exited with {code}"
-            raise RuntimeError(f"{spec['kind']} job, rank {rank} {what}:\n{text}")
-        return [json.loads((self.out / f"{name}-{rank}.json").read_text()) for rank in range(world)]
+                proc.wait()
+        return failed
 
 
 def _row(check: str, result: str, target: str, passed: bool | None) -> dict[str, Any]:
-    verdict = "not run" if passed is None else ("pass" if passed else "FAIL")
+    """A row with a verdict; ``passed=None``: a figure reported without one (the target says where it is judged)."""
+    verdict = "figure" if passed is None else ("pass" if passed else "FAIL")
     return {"check": check, "result": result, "target": target, "verdict": verdict}
 
 
-def _difference(first: dict[str, Any], second: dict[str, Any]) -> float:
-    return max(abs(a - b) for key in first for a, b in zip(first[key], second[key], strict=True))
+def _not_run(check: str, reason: str, target: str) -> dict[str, Any]:
+    return {"check": check, "result": reason, "target": target, "verdict": "not run"}
+
+
+def _difference(first: str, second: str) -> float:
+    """The largest difference of any parameter between two jobs' saved parameters."""
+    import torch
+
+    one, other = torch.load(first), torch.load(second)
+    return max(float((one[key].double() - other[key].double()).abs().max()) for key in one)
 
 
 def _check_exactness(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows = []
+    rows, precisions = [], []
     for precision in str(args.precisions).split(","):
         if precision == "16-mixed" and runner.accelerator != "cuda":
-            rows.append(_row(f"exactness {precision}", "float16 autocast with a GradScaler needs CUDA", "-", None))
-            continue
-        common = dict(kind="train", precision=precision, steps=args.steps)
-        one = runner(1, sizes=[64], plan={}, **common)[0]
-        even = runner(2, sizes=[32, 32], plan={}, **common)[0]
-        uneven = runner(2, sizes=UNEVEN[0], plan=UNEVEN, **common)[0]
+            rows.append(_not_run(f"exactness {precision}", "float16 autocast with a GradScaler needs CUDA", "-"))
+        else:
+            precisions.append(precision)
+    if not precisions:
+        return rows
+    common = [dict(kind="train", precision=precision, steps=args.steps) for precision in precisions]
+    ones = runner(1, [dict(run, sizes=[64], plan={}) for run in common])
+    splits = runner(
+        2,
+        [dict(run, sizes=sizes, plan=plan) for run in common for sizes, plan in (([32, 32], {}), (UNEVEN[0], UNEVEN))],
+    )
+    for index, precision in enumerate(precisions):
+        one, even, uneven = ones[index][0], splits[2 * index][0], splits[2 * index + 1][0]
         even_error, error = _difference(even["params"], one["params"]), _difference(uneven["params"], one["params"])
         rows.append(
             _row(
@@ -179,22 +257,27 @@ def _check_exactness(runner: _Runner, args: argparse.Namespace) -> list[dict[str
 
 
 def _check_timing(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
-    results = {}
-    for clock in ("step clock", "perf_counter"):
-        for factor in (1.0, 3.0):
-            job = runner(1, kind="timing", factor=factor, host_time=clock == "perf_counter", steps=args.timing_steps)[0]
-            results[(clock, factor)] = job["compute_time"]
+    cases = [(clock, factor) for clock in ("step clock", "perf_counter") for factor in (1.0, 3.0)]
+    runs = [
+        dict(kind="timing", factor=factor, host_time=clock == "perf_counter", steps=args.timing_steps)
+        for clock, factor in cases
+    ]
+    jobs = runner(1, runs)
+    runner.timing = jobs[0][0]  # the step clock at factor 1: nvml's metrics
+    results = {case: job[0] for case, job in zip(cases, jobs, strict=True)}
     rows = []
     for clock in ("step clock", "perf_counter"):
-        ratio = results[(clock, 3.0)] / results[(clock, 1.0)]
-        own = results[(clock, 1.0)]
+        slow, own = results[(clock, 3.0)], results[(clock, 1.0)]["compute_time"]
+        ratio = slow["compute_time"] / own
         # on a CPU the emulator sleeps, and waking late is multiplied too: the target is the GPU's spin kernel
         judged = clock == "step clock" and runner.accelerator == "cuda"
         passed = abs(ratio - 3.0) <= 0.3 if judged else None
         target = "within 10% of 3 (on a GPU)" if clock == "step clock" else "(beside it: host timing)"
-        rows.append(
-            _row(f"timing 1:3, {clock}", f"compute ratio {ratio:.2f} ({own * 1e3:.2f} ms at 1x)", target, passed)
-        )
+        result = f"compute ratio {ratio:.2f} ({own * 1e3:.2f} ms at 1x)"
+        spin = slow.get("spin")
+        if clock == "step clock" and spin:  # the spin kernel itself, timed with events of its own
+            result += f"; a spin asked {spin['asked'] * 1e3:.2f} ms ran {spin['ran'] * 1e3:.2f} ms"
+        rows.append(_row(f"timing 1:3, {clock}", result, target, passed))
     return rows
 
 
@@ -203,42 +286,93 @@ def _check_pid(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]
 
     if runner.accelerator == "cuda" and torch.cuda.device_count() < 2:
         reason = "needs two GPUs: two ranks on one GPU share its time"
-        return [_row("pid 1:3", reason, ">= 0.95 of ideal", None)]
+        return [_not_run("pid 1:3", reason, ">= 0.95 of ideal")]
+    clocks = ("step clock", "perf_counter")
+    runs = [dict(kind="pid", host_time=clock == "perf_counter", steps=args.timing_steps * 4) for clock in clocks]
+    cuda = runner.accelerator == "cuda"
+    # a GPU each (NCCL refuses two ranks on one device); gloo on a CPU
+    jobs = runner(2, runs, backend="nccl" if cuda else None, gpu_per_rank=cuda)
     rows = []
-    for clock in ("step clock", "perf_counter"):
-        jobs = runner(2, kind="pid", host_time=clock == "perf_counter", steps=args.timing_steps * 4)
-        fraction = jobs[0]["throughput_to_ideal"]
+    for clock, job in zip(clocks, jobs, strict=True):
+        fraction = job[0]["throughput_to_ideal"]
         # on a CPU the balance is dynamix bench balance's to judge (the emulator sleeps there)
-        passed = fraction >= 0.95 if clock == "step clock" and runner.accelerator == "cuda" else None
+        passed = fraction >= 0.95 if clock == "step clock" and cuda else None
         result = f"{fraction:.3f} of the ideal sum of speeds"
         rows.append(_row(f"pid 1:3, {clock}", result, ">= 0.95 of ideal (on GPUs)", passed))
     return rows
 
 
 def _check_memory(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
-    plan = {0: [32, 32], 4: [8, 56]}  # rank 1's memory holds about 40 samples
-    common = dict(precision="32-true", steps=args.steps, plan=plan)
-    one = runner(1, kind="train", sizes=[64], **common)[0]
-    even = runner(2, kind="train", sizes=[32, 32], **{**common, "plan": {}})[0]
-    limited = runner(2, kind="train", sizes=[32, 32], memory_limit=40, **common)
-    error, even_error = _difference(limited[0]["params"], one["params"]), _difference(even["params"], one["params"])
+    plan, limit = MEMORY[runner.accelerator]
+    total = sum(plan[0])
+    common = dict(precision="32-true", steps=args.steps, num_samples=max(NUM_SAMPLES, total * args.steps))
+    one = runner(1, [dict(kind="train", sizes=[total], plan={}, **common)])[0][0]
+    # the limited run last: a memory fraction stays with the process
+    even, limited = runner(
+        2,
+        [
+            dict(kind="train", sizes=[total // 2] * 2, plan={}, **common),
+            dict(kind="train", sizes=plan[0], plan=plan, memory_limit=limit, **common),
+        ],
+    )
+    error = _difference(limited[0]["params"], one["params"])
+    even_error = _difference(even[0]["params"], one["params"])
     recovered = limited[0]["recovered"]
     how = "a memory fraction" if runner.accelerator == "cuda" else "an emulated limit"
+    largest = max(sizes[1] for sizes in plan.values())
     return [
         _row(
             "memory",
-            f"{recovered} step(s) recovered under {how}, cap {limited[0]['caps'][1]};"
-            f" |param - one process| {error:.2e}",
+            f"{recovered} step(s) recovered under {how} (~{limit} samples, given {largest}), cap"
+            f" {limited[0]['caps'][1]}; |param - one process| {error:.2e}, even {even_error:.2e}",
             ">= 1 recovered, <= 2 x even + 1e-6",
             recovered >= 1 and error <= 2 * even_error + 1e-6,
         )
     ]
 
 
+def _check_mixed(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    target = "nccl refused naming gloo; gloo <= 1e-9"
+    if runner.accelerator != "cuda":
+        return [_not_run("mixed GPU + CPU", "needs a GPU: a GPU rank beside a CPU rank", target)]
+    devices = ["cuda", "cpu"]
+    # the CPU rank alone: it refuses before the process group, which the GPU rank would wait on for its timeout
+    common = dict(kind="train", precision="64-true", steps=args.steps)
+    log = runner.failure(2, [1], [dict(common, sizes=[32, 32], plan={})], devices=devices, backend="nccl")
+    refused = "process_group_backend='gloo'" in log
+    one = runner(1, [dict(common, sizes=[64], plan={})])[0][0]
+    mixed = runner(2, [dict(common, sizes=UNEVEN[0], plan=UNEVEN)], devices=devices)[0][0]
+    error = _difference(mixed["params"], one["params"])
+    said = "the CPU rank refused nccl naming gloo" if refused else "nccl NOT refused as expected"
+    result = f"{said}; gloo, float64: |param - one process on the GPU| {error:.2e}"
+    return [_row("mixed GPU + CPU", result, target, refused and error <= 1e-9)]
+
+
+def _check_offload(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
+    output = runner.out / "offload.json"
+    command = [sys.executable, "-m", "lightning_dynamix.bench.offload", "--skip-memory"]
+    command += ["--accelerator", runner.accelerator, "--servers", "1", "--rounds", str(args.offload_rounds)]
+    command += ["--steps", "30", "--setups", ";".join(OFFLOAD_SETUPS), "--output", str(output)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")}
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=runner.budget)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError("offload check ran past --budget") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"offload check exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    speed = json.loads(output.read_text())["speed"]
+    where = "on the GPU" if runner.accelerator == "cuda" else "in the trainer"
+    base = speed["in-process"]["median_step_ms"]
+    parts = [f"tables {where} {base:.2f} ms/step"]
+    for name in OFFLOAD_SETUPS[1:]:
+        parts.append(f"{name} {speed[name]['median_step_ms']:.2f} ({speed[name]['step_time_vs_in_process']:.2f}x)")
+    return [_row("offload DLRM", "; ".join(parts), "figures (bench offload)", None)]
+
+
 def _check_nvml(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
     if runner.accelerator != "cuda":
-        return [_row("nvml", "no GPU: the GPU metrics are NaN by design", "finite on a GPU", None)]
-    job = runner(1, kind="timing", factor=1.0, host_time=False, steps=args.timing_steps)[0]
+        return [_not_run("nvml", "no GPU: the GPU metrics are NaN by design", "finite on a GPU")]
+    job = runner.timing or runner(1, [dict(kind="timing", factor=1.0, host_time=False, steps=args.timing_steps)])[0][0]
     metrics = job["gpu_metrics"]
     finite = all(value == value for value in metrics.values())  # NaN != NaN
     shown = ", ".join(f"{k} {v:.1f}" for k, v in metrics.items())
@@ -248,8 +382,21 @@ def _check_nvml(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any
 # --------------------------------------------------------------------------------------------- one job
 
 
-def _job(spec: dict[str, Any]) -> dict[str, Any]:
-    """One rank of a job: trains and returns what the check reads (rank 0's is the one read for timings)."""
+def _job(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """One rank of a job: its runs, fits one after another, and what the checks read of each."""
+    import torch
+
+    rank = int(os.environ.get("NODE_RANK", "0"))
+    accelerator = spec["devices"][rank] if spec.get("devices") else spec["accelerator"]
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(spec["world"], 1)))
+    if accelerator == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    return [_fit(spec, dict(run), index, rank, accelerator) for index, run in enumerate(spec["runs"])]
+
+
+def _fit(job: dict[str, Any], spec: dict[str, Any], index: int, rank: int, accelerator: str) -> dict[str, Any]:
+    """One run of a job on this rank: trains and returns what the check reads (rank 0's is read for timings)."""
     import torch
     from lightning.pytorch import Callback, Trainer
 
@@ -259,12 +406,7 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning_dynamix.metrics import HostClock
     from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
-    world, kind, accelerator = spec["world"], spec["kind"], spec["accelerator"]
-    rank = int(os.environ.get("NODE_RANK", "0"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(world, 1)))
-    if accelerator == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+    world, kind = job["world"], spec["kind"]
     # a plan moves samples between ranks, never the global batch: one process trains the same global batches
     plan = {int(step): sizes for step, sizes in spec.get("plan", {}).items()} if world > 1 else {}
     sizes = spec.get("sizes") or ([64] if world == 1 else [32, 32])
@@ -285,8 +427,10 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
 
     callbacks: list[Any] = [Plan()]
     limit = spec.get("memory_limit")
+    emulator = None
     if kind == "timing":
-        callbacks.append(HeterogeneityEmulator([spec["factor"]]))
+        emulator = HeterogeneityEmulator([spec["factor"]])
+        callbacks.append(emulator)
         monitor: Any = ClusterMetricsMonitor(interval=5, warmup_steps=5, gradient_noise_scale=False)
         callbacks.append(monitor)
     elif kind == "pid":
@@ -296,25 +440,28 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
     elif limit is not None and accelerator != "cuda":
         callbacks.append(HeterogeneityEmulator([1.0] * world, memory_limits=[None, limit]))
     if limit is not None and accelerator == "cuda" and rank == 1:
-        torch.cuda.set_per_process_memory_fraction(_fraction_for(limit), 0)
+        callbacks.append(_memory_fraction(limit, plan))
+    backend = job.get("backend") or "gloo"
+    if accelerator == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     strategy = HeterogeneousDDPStrategy(
-        batch_sizes=sizes,
-        seed=1,
-        process_group_backend="nccl" if kind == "pid" and accelerator == "cuda" else "gloo",
-        timeout=timedelta(seconds=120),
+        batch_sizes=sizes, seed=1, process_group_backend=backend, timeout=timedelta(seconds=120)
     )
     trainer = timed_trainer(
         strategy, spec["steps"], callbacks, accelerator, num_nodes=world, precision=spec.get("precision", "32-true")
     )
-    data = ClassificationDataModule(num_samples=NUM_SAMPLES, num_features=FEATURES, batch_size=sizes[0], seed=0)
-    task = ClassificationTask(num_features=FEATURES, hidden=HIDDEN[accelerator], depth=2, seed=0, lr=0.05)
+    samples = spec.get("num_samples", NUM_SAMPLES)
+    data = ClassificationDataModule(num_samples=samples, num_features=FEATURES, batch_size=sizes[0], seed=0)
+    task = ClassificationTask(num_features=FEATURES, hidden=HIDDEN[job["accelerator"]], depth=2, seed=0, lr=0.05)
     trainer.fit(task, datamodule=data)
     result: dict[str, Any] = {
         "rank": rank,
         "recovered": strategy.steps_recovered_from_out_of_memory,
         "caps": strategy.current_batch_size_caps,
-        "params": {k: v.detach().double().cpu().flatten().tolist() for k, v in task.state_dict().items()},
     }
+    if kind == "train":  # a file: the GPU's model has 17M parameters
+        result["params"] = str(Path(job["out"], f"{job['name']}-{index}-{rank}.pt"))
+        torch.save({k: v.detach().cpu() for k, v in task.state_dict().items()}, result["params"])
     if kind in ("timing", "pid"):
         states = [record.state for record in monitor.history][1:]  # the first interval: still settling
         own = [s.workers[0].compute_time for s in states]
@@ -326,38 +473,78 @@ def _job(spec: dict[str, Any]) -> dict[str, Any]:
         worker = states[-1].workers[0] if states else None
         names = ("gpu_util", "gpu_mem_util", "gpu_power_w", "gpu_temperature_c")
         result["gpu_metrics"] = {n: getattr(worker, n) if worker else float("nan") for n in names}
-    if kind != "train":
-        result.pop("params")
+    if kind == "timing" and accelerator == "cuda":
+        result["spin"] = _spin_length(torch.device("cuda", 0), emulator.slept)
     return result
 
 
-def _fraction_for(samples: int) -> float:
-    """The memory fraction of GPU 0 that holds about ``samples`` samples of the bench's model besides its state."""
+def _spin_length(device: Any, asked: float) -> dict[str, float] | None:
+    """The emulator's spin kernel (calibrated anew) asked for ``asked`` seconds, timed with events of its own."""
     import torch
-    from torch import nn
 
-    hidden = HIDDEN["cuda"]
-    model = nn.Sequential(nn.Linear(FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
-    model = nn.Sequential(*model, nn.Linear(hidden, 10)).cuda()
-    torch.cuda.reset_peak_memory_stats()
-    peaks = []
-    for batch in (64, 128):
-        model(torch.randn(batch, FEATURES, device="cuda")).sum().backward()
-        peaks.append(torch.cuda.max_memory_reserved())
-    per_sample = max(1.0, (peaks[1] - peaks[0]) / 64)
-    base = peaks[0] - 64 * per_sample
-    total = torch.cuda.get_device_properties(0).total_memory
-    del model
-    torch.cuda.empty_cache()
-    return min(1.0, (base + 3 * per_sample * samples) / total)
+    from lightning_dynamix.callbacks.emulator import CudaSpin
+
+    if asked <= 0:
+        return None
+    spin = CudaSpin(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    spin.spin(asked)
+    end.record()
+    end.synchronize()
+    return {"asked": asked, "ran": start.elapsed_time(end) / 1000.0, "cycles_per_s": spin.cycles_per_s}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="one job of dynamix bench device")
-    parser.add_argument("--job", required=True, help="the job's spec, as JSON")
-    spec = json.loads(parser.parse_args().job)
-    result = _job(spec)
-    Path(spec["out"], f"{spec['name']}-{result['rank']}.json").write_text(json.dumps(result))
+def _memory_fraction(samples: int, plan: dict[int, list[int]]) -> Any:
+    """A callback that limits rank 1's GPU memory to about ``samples`` samples a step, from its steps' bytes.
+
+    The plan gives rank 1 two sizes before the step that exceeds ``samples``; the peak bytes the allocator
+    held in the steps at each (``max_memory_allocated``) give the bytes a sample costs, and the process's
+    memory fraction is set to the peak at the second size plus that many more samples.
+    """
+    import torch
+    from lightning.pytorch import Callback
+
+    steps = sorted(plan)
+    first, second = plan[steps[0]][1], plan[steps[1]][1]
+
+    class MemoryFraction(Callback):
+        def __init__(self) -> None:
+            self.peaks: list[int] = []
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            if trainer.global_step not in (steps[1], steps[2]):
+                return
+            self.peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            if trainer.global_step == steps[2]:
+                per_sample = max(1.0, (self.peaks[1] - self.peaks[0]) / (second - first))
+                # from the peak of tensors, not what the allocator reserved: cached blocks of earlier steps or runs
+                # would hide the limit (seen on an H100: no step ran out of memory)
+                wanted = self.peaks[1] + (samples - second) * per_sample
+                torch.cuda.empty_cache()
+                fraction = min(1.0, wanted / torch.cuda.get_device_properties(0).total_memory)
+                torch.cuda.set_per_process_memory_fraction(fraction, 0)
+                print(f"memory fraction {fraction:.5f}: {per_sample / 2**10:.1f} KiB a sample", flush=True)
+
+    return MemoryFraction()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_dynamix.bench.device [options]``: the check without the ``dynamix`` command's other
+    dependencies (gymnasium, stable-baselines3), for a GPU machine's image; with ``--job``, one rank of a job."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_dynamix.bench.device", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.job is None:
+        run(args)
+        return
+    spec = json.loads(args.job)
+    results = _job(spec)
+    Path(spec["out"], f"{spec['name']}-{results[0]['rank']}.json").write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

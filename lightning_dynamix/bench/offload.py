@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--servers", default="1,2", help="numbers of embedding servers set up, for speed and memory (default 1,2)"
     )
+    parser.add_argument(
+        "--setups", default=None, help="the speed set-ups to run, by name, separated by semicolons (default: every one)"
+    )
     parser.add_argument("--skip-memory", action="store_true", help="measure speed only")
     parser.add_argument("--skip-speed", action="store_true", help="measure memory only")
     parser.add_argument(
@@ -113,6 +116,16 @@ def _server_counts(servers: str) -> list[int]:
 def _speed(args: argparse.Namespace) -> dict[str, Any]:
     counts = _server_counts(args.servers)
     setups = [setup for setup in SETUPS if setup[1] == 0 or setup[1] in counts]
+    if args.setups is not None:
+        names = [name.strip() for name in args.setups.split(";") if name.strip()]
+        known = [name for name, *_ in setups]
+        unknown = [name for name in names if name not in known]
+        if unknown or "in-process" not in names:
+            raise SystemExit(
+                f"dynamix bench offload: `--setups` must name in-process and any of {'; '.join(known)}"
+                f" (with --servers {args.servers}), got {args.setups!r}"
+            )
+        setups = [setup for setup in setups if setup[0] in names]
     steps: dict[str, list[float]] = {name: [] for name, *_ in setups}
     samples = args.batch_size * (args.steps + args.warmup + 1)
     for round_index in range(args.rounds):
@@ -157,7 +170,7 @@ def _probe(args: argparse.Namespace) -> None:
 
 
 def _peak_bytes(args: argparse.Namespace, rows: int, servers: int) -> int | None:
-    command = [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "offload", "--probe-rows", str(rows)]
+    command = [sys.executable, "-m", "lightning_dynamix.bench.offload", "--probe-rows", str(rows)]
     command += ["--probe-servers", str(servers), "--batch-size", str(args.batch_size)]
     command += ["--embedding-dim", str(args.embedding_dim)]
     # a fresh job: not the variables Lightning left in this process for the runs of the speed measurement
@@ -218,3 +231,17 @@ def run(args: argparse.Namespace) -> None:
             print(f"{name:>10}: {row['largest_rows_per_table']}{cap}")
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_dynamix.bench.offload [options]``: ``dynamix bench offload`` without the command's
+    other dependencies."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_dynamix.bench.offload", description=__doc__.split("\n")[0]
+    )
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

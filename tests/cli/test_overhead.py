@@ -101,16 +101,18 @@ def test_bench_policy_times_the_learned_controllers_decisions_at_each_world_size
 def test_bench_device_checks_exactness_and_out_of_memory_recovery_on_this_machines_device(tmp_path):
     # on a CPU: the machinery of the GPU check, end to end (ranks launched as nodes of one device each)
     printed = dynamix(
-        "bench", "device", "--checks", "exactness,memory,nvml", "--precisions", "32-true,16-mixed", "--steps", "8",
-        "--output", str(tmp_path / "device.json"), cwd=tmp_path,
+        "bench", "device", "--checks", "exactness,memory,mixed,nvml", "--precisions", "32-true,16-mixed",
+        "--steps", "8", "--output", str(tmp_path / "device.json"), cwd=tmp_path,
     )  # fmt: skip
     rows = {row["check"]: row for row in json.loads((tmp_path / "device.json").read_text())["rows"]}
-    assert set(rows) == {"exactness 32-true", "exactness 16-mixed", "memory", "nvml"}
+    assert set(rows) == {"exactness 32-true", "exactness 16-mixed", "memory", "mixed GPU + CPU", "nvml"}
     assert rows["exactness 32-true"]["verdict"] == "pass"
     assert rows["memory"]["verdict"] == "pass"  # a step ran out of (emulated) memory and was trained again
     assert rows["memory"]["result"].split()[0] != "0"
     # what needs a GPU says so, and is neither passed nor failed
     assert rows["exactness 16-mixed"]["verdict"] == rows["nvml"]["verdict"] == "not run"
+    assert rows["mixed GPU + CPU"]["verdict"] == "not run"
     assert "needs CUDA" in rows["exactness 16-mixed"]["result"]
+    assert "needs a GPU" in rows["mixed GPU + CPU"]["result"]
     assert "dynamix bench device on CPU" in printed
     dynamix_here("bench", "device", "--checks", "speed", cwd=tmp_path, fails=True)

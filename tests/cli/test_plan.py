@@ -35,6 +35,8 @@ def test_bench_offload_times_every_set_up_and_finds_the_tables_a_memory_budget_a
         assert all(p["peak_mib"] > 0 for p in memory["probes"])
     error = dynamix_here("bench", "offload", "--servers", "3", "--skip-memory", cwd=tmp_path, fails=True)
     assert "`--servers` must list 1 and/or 2, got '3'" in error
+    error = dynamix_here("bench", "offload", "--setups", "1 server", "--skip-memory", cwd=tmp_path, fails=True)
+    assert "`--setups` must name in-process" in error
 
 
 def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throughput_beside_the_predictions(
