@@ -1,0 +1,247 @@
+"""Hosts on one machine: each in a network namespace of its own, with its own address and a link of its own rate.
+
+Processes that share the loopback interface share one link with no rate: every figure taken that way
+hides what a node on a slower link does to each all-reduce. :class:`Hosts` gives each host (a rank, a
+torchrun agent, an embedding server) a network namespace with one interface, ``eth0``, at an address of
+198.18.0.0/24 (RFC 2544's range for network benchmarks), joined by a veth pair to a bridge in a switch
+namespace of its own. Each host's link gets its rate with ``tc``: a token bucket (``tbf``) on both ends,
+so the rate holds in both directions. The kernel of this project's machines has no ``netem``: a link
+gets a rate, not a delay.
+
+Nothing leaves the machine: the addresses live only on links inside the namespaces made here, and
+traffic between hosts crosses the bridge, never 127.0.0.1. On exit, also after Ctrl-C or when the
+process that made them is killed, the namespaces go, with every process inside: a reaper process of its
+own session waits for its maker's end (the pipe it reads closes) and removes what is left.
+
+Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and ``ip``/``tc`` (iproute2); :func:`check_hosts`
+says what is missing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+SUBNET = "198.18.0"  # /24 of 198.18.0.0/15, reserved for network benchmarks
+INTERFACE = "eth0"
+_counter = itertools.count()
+
+REAPER = """
+import subprocess, sys
+names = sys.argv[1:]
+sys.stdin.read()  # returns when every writer has closed the pipe: the maker closed it, or ended
+for name in names:
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+"""
+
+
+class HostsUnavailable(RuntimeError):
+    """Network namespaces or tc cannot be used here; the message says what is missing."""
+
+
+def _run(*command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(command), capture_output=True, text=True)
+
+
+def check_hosts() -> None:
+    """Raise :class:`HostsUnavailable` naming what is missing for :class:`Hosts` (root, ip, tc, namespaces, tbf)."""
+    if os.name != "posix" or not sys.platform.startswith("linux"):
+        raise HostsUnavailable(f"hosts in network namespaces need Linux, this is {sys.platform}")
+    if os.geteuid() != 0:
+        raise HostsUnavailable(
+            "hosts in network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN to make namespaces, veth links"
+            f" and tc qdiscs); this process runs as uid {os.geteuid()}"
+        )
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise HostsUnavailable(f"hosts in network namespaces need `{tool}` (iproute2), not found on PATH")
+    name = f"dxprobe{os.getpid()}"
+    made = _run("ip", "netns", "add", name)
+    if made.returncode != 0:
+        raise HostsUnavailable(f"`ip netns add` failed: {made.stderr.strip()}")
+    try:
+        steps = [
+            ("ip", "-n", name, "link", "add", "p0", "type", "veth", "peer", "name", "p1"),
+            ("tc", "-n", name, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1mbit", "burst", "32kb",
+             "latency", "50ms"),
+        ]  # fmt: skip
+        for step in steps:
+            result = _run(*step)
+            if result.returncode != 0:
+                raise HostsUnavailable(f"`{' '.join(step[:4])} ...` failed: {result.stderr.strip()}")
+    finally:
+        _run("ip", "netns", "delete", name)
+
+
+def _rate(name: str, value: object) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"`{name}` must be a rate in Mbit/s > 0 (or None: no limit), got {value!r}")
+    return float(value)
+
+
+def parse_links(text: str, hosts: int | None = None) -> list[float | None]:
+    """``--links`` as rates in Mbit/s, one a host (``0`` or ``-``: no limit), e.g. ``"1000,1000,50"``.
+
+    Raises:
+        ValueError: naming the value, for a rate that is not a positive number, or a count other than ``hosts``.
+    """
+    rates: list[float | None] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if part in ("0", "-"):
+            rates.append(None)
+            continue
+        try:
+            rates.append(_rate("--links", float(part)))
+        except ValueError:
+            raise ValueError(
+                f"`--links` must list one rate a host in Mbit/s (> 0; 0 or - for no limit), got {part!r} in {text!r}"
+            ) from None
+    if hosts is not None and len(rates) != hosts:
+        raise ValueError(f"`--links` {text!r} gives {len(rates)} hosts a rate, but the job has {hosts}: give one each")
+    return rates
+
+
+class Hosts:
+    """Hosts in network namespaces of their own, joined through a bridge, each link at its own rate.
+
+    Args:
+        rates: each host's link rate in Mbit/s, both directions (``None``: no limit); one host a rate.
+        burst_ms: the token bucket's depth, in milliseconds at the link's rate (at least 64 KiB).
+
+    Use it as a context manager; :meth:`popen` starts a process on a host. Host ``i`` is at
+    :meth:`address` ``(i)``; processes reach each other there (gloo: ``GLOO_SOCKET_IFNAME=eth0``, which
+    :meth:`env` sets, with ``MASTER_ADDR`` at host 0).
+
+    Raises:
+        ValueError: for no hosts, more than 250, or a rate that is not a positive number.
+        HostsUnavailable: on entering, where namespaces or tc cannot be used (see :func:`check_hosts`).
+    """
+
+    def __init__(self, rates: Sequence[float | None], burst_ms: float = 5.0) -> None:
+        rates = list(rates)
+        if not 1 <= len(rates) <= 250:
+            raise ValueError(f"`rates` must give 1 to 250 hosts a rate, got {len(rates)}")
+        self.rates = [_rate(f"rates[{i}]", rate) for i, rate in enumerate(rates)]
+        if isinstance(burst_ms, bool) or not isinstance(burst_ms, int | float) or not burst_ms > 0:
+            raise ValueError(f"`burst_ms` must be a number of milliseconds > 0, got {burst_ms!r}")
+        self.burst_ms = float(burst_ms)
+        self.prefix = f"dx{os.getpid()}n{next(_counter)}"
+        self.switch = f"{self.prefix}sw"
+        self.namespaces = [f"{self.prefix}h{i}" for i in range(len(self.rates))]
+        self.processes: list[subprocess.Popen[Any]] = []
+        self._reaper: subprocess.Popen[str] | None = None
+
+    # ------------------------------------------------------------------ life
+    def __enter__(self) -> Hosts:
+        check_hosts()
+        # the reaper first: whatever is made from here on goes, however this process ends
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-c", REAPER, *self.namespaces, self.switch],
+            stdin=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            self._make()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _make(self) -> None:
+        sw = self.switch
+        self._ip("netns", "add", sw)
+        self._ip("-n", sw, "link", "add", "br0", "type", "bridge")
+        self._ip("-n", sw, "link", "set", "br0", "up")
+        for i, ns in enumerate(self.namespaces):
+            self._ip("netns", "add", ns)
+            # the pair is made in the host's namespace, its far end moved to the switch: no name in the root one
+            self._ip("-n", ns, "link", "add", INTERFACE, "type", "veth", "peer", "name", f"p{i}", "netns", sw)
+            self._ip("-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", INTERFACE)
+            self._ip("-n", ns, "link", "set", "lo", "up")
+            self._ip("-n", ns, "link", "set", INTERFACE, "up")
+            self._ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
+            self._ip("-n", sw, "link", "set", f"p{i}", "up")
+            self.set_rate(i, self.rates[i])
+
+    def close(self) -> None:
+        """Stop every process on the hosts and remove the namespaces (safe to call more than once)."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        if self._reaper is not None:
+            assert self._reaper.stdin is not None
+            self._reaper.stdin.close()  # the reaper kills what is left inside and deletes the namespaces
+            self._reaper.wait()
+            self._reaper = None
+
+    # ------------------------------------------------------------------ use
+    def address(self, host: int) -> str:
+        """Host ``host``'s address on its link."""
+        return f"{SUBNET}.{host + 1}"
+
+    def env(self, host: int, master_host: int = 0, port: int = 29500) -> dict[str, str]:
+        """Variables a process on ``host`` needs to meet the others: the master's address and port, gloo's
+        interface."""
+        return {
+            "MASTER_ADDR": self.address(master_host),
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": INTERFACE,
+            "TP_SOCKET_IFNAME": INTERFACE,
+        }
+
+    def command(self, host: int, command: Sequence[str]) -> list[str]:
+        """``command`` as run on ``host`` (``ip netns exec``)."""
+        return ["ip", "netns", "exec", self.namespaces[host], *[str(part) for part in command]]
+
+    def popen(self, host: int, command: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``command`` on ``host`` (``subprocess.Popen`` arguments in ``kwargs``); stopped by :meth:`close`."""
+        process = subprocess.Popen(self.command(host, command), **kwargs)
+        self.processes.append(process)
+        return process
+
+    def set_rate(self, host: int, rate: float | None) -> None:
+        """Host ``host``'s link at ``rate`` Mbit/s both ways from now on (``None``: no limit)."""
+        rate = _rate("rate", rate)
+        self.rates[host] = rate
+        for ns, device in ((self.namespaces[host], INTERFACE), (self.switch, f"p{host}")):
+            if rate is None:
+                _run("tc", "-n", ns, "qdisc", "del", "dev", device, "root")  # none there yet: nothing to remove
+                continue
+            burst = max(64 * 1024, int(rate * 1e6 / 8 * self.burst_ms / 1e3))
+            self._tc(
+                "-n", ns, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}mbit", "burst", str(burst),
+                "latency", "100ms",
+            )  # fmt: skip
+
+    def _ip(self, *args: str) -> None:
+        result = _run("ip", *args)
+        if result.returncode != 0:
+            raise HostsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+
+    def _tc(self, *args: str) -> None:
+        result = _run("tc", *args)
+        if result.returncode != 0:
+            raise HostsUnavailable(f"`tc {' '.join(args)}` failed: {result.stderr.strip()}")
+
+
+def leftovers(prefix: str = "dx") -> list[str]:
+    """Network namespaces named by :class:`Hosts` (``prefix``) that still exist."""
+    listed = _run("ip", "netns", "list").stdout.split("\n")
+    return [line.split()[0] for line in listed if line.strip() and line.split()[0].startswith(prefix)]

@@ -1,0 +1,157 @@
+"""Hosts on one machine: network namespaces with their own addresses and links of their own rates.
+
+Needs root and iproute2; elsewhere every test here skips, saying what is missing.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, leftovers, parse_links
+from tests.distributed.conftest import JOBS, job_environment
+
+pytestmark = pytest.mark.distributed
+
+SERVER = """
+import socket, sys
+s = socket.socket(); s.bind((sys.argv[1], 5000)); s.listen(1)
+print("ready", flush=True)
+c, _ = s.accept(); n = 0
+while data := c.recv(1 << 16):
+    n += len(data)
+print(n, flush=True)
+"""
+CLIENT = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], 5000)); start = time.perf_counter()
+c.sendall(b"x" * int(sys.argv[2])); c.shutdown(socket.SHUT_WR); c.recv(1)
+print(time.perf_counter() - start)
+"""
+
+
+def gone(pid: int) -> bool:
+    """Whether ``pid`` ended (a zombie whose maker was killed counts: it runs nothing, and waits for init)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture(scope="module")
+def hosts_available():
+    try:
+        check_hosts()
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+
+
+def send(hosts: Hosts, size: int) -> tuple[float, int]:
+    """Host 1 sends ``size`` bytes to host 0 over TCP: the seconds it took, the bytes host 0 received."""
+    server = hosts.popen(0, [sys.executable, "-c", SERVER, hosts.address(0)], stdout=subprocess.PIPE, text=True)
+    assert server.stdout.readline().strip() == "ready"
+    client = hosts.popen(
+        1, [sys.executable, "-c", CLIENT, hosts.address(0), str(size)], stdout=subprocess.PIPE, text=True
+    )
+    seconds = float(client.communicate(timeout=60)[0])
+    return seconds, int(server.stdout.readline())
+
+
+def test_a_link_holds_its_rate_both_ways(hosts_available):
+    size = 1 << 20  # 8.4 Mbit: at least 0.84 s through a 10 Mbit/s link, whatever else the machine does
+    with Hosts([None, 10]) as hosts:
+        seconds, received = send(hosts, size)
+        assert received == size
+        assert seconds >= 0.8 * size * 8 / 10e6
+        hosts.set_rate(1, None)
+        hosts.set_rate(0, 10)  # now host 0's link, the receiving end: the rate holds into a host too
+        seconds, received = send(hosts, size)
+        assert received == size
+        assert seconds >= 0.8 * size * 8 / 10e6
+
+
+def test_hosts_reach_each_other_only_at_their_own_addresses(hosts_available):
+    with Hosts([None, None]) as hosts:
+        interfaces = subprocess.run(hosts.command(1, ["ip", "-brief", "addr"]), capture_output=True, text=True).stdout
+        assert "198.18.0.2/24" in interfaces
+        # the machine's own interfaces are not in a host's namespace: nothing it sends leaves through them
+        assert set(line.split()[0].split("@")[0] for line in interfaces.splitlines()) == {"lo", "eth0"}
+
+
+def test_nothing_is_left_after_close_ctrl_c_or_a_killed_maker(hosts_available, tmp_path):
+    with Hosts([None]) as hosts:
+        sleeper = hosts.popen(0, ["sleep", "300"])
+        names = [*hosts.namespaces, hosts.switch]
+    assert sleeper.poll() is not None
+    assert not set(names) & set(leftovers())
+    maker = """
+import signal, sys, time
+from lightning_dynamix.bench.hosts import Hosts
+with Hosts([None, 5]) as hosts:
+    sleeper = hosts.popen(1, ["sleep", "300"])
+    print(" ".join([*hosts.namespaces, hosts.switch]), sleeper.pid, flush=True)
+    time.sleep(300)
+"""
+    for how in (signal.SIGINT, signal.SIGKILL):  # Ctrl-C: the context manager's exit; killed: the reaper
+        process = subprocess.Popen([sys.executable, "-c", maker], stdout=subprocess.PIPE, text=True)
+        *names, pid = process.stdout.readline().split()
+        assert set(names) <= set(leftovers())
+        process.send_signal(how)
+        process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while set(names) & set(leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not set(names) & set(leftovers()), f"left after {how.name}"
+        assert gone(int(pid))  # the process on the host too
+
+
+def test_two_hosts_on_their_own_links_train_like_one_process(hosts_available, tmp_path, job_helpers):
+    # each host a torchrun agent; the ranks meet at host 0's address through the bridge, rank 1 on a 50 Mbit/s link
+    with Hosts([None, 50]) as hosts:
+        agents = []
+        for host in range(2):
+            command = [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts.address(0)}:29400", "--rdzv-id", "hosts",
+                "--rdzv-conf", f"is_host={'true' if host == 0 else 'false'}", "--local-addr", hosts.address(host),
+                str(JOBS / "hosts_job.py"), str(tmp_path),
+            ]  # fmt: skip
+            env = dict(job_environment(), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="eth0")
+            log = open(tmp_path / f"agent{host}.log", "w")  # noqa: SIM115 - the test's folder holds it
+            agents.append(hosts.popen(host, command, cwd=JOBS, env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [agent.wait(timeout=240) for agent in agents]
+        logs = "\n".join((tmp_path / f"agent{host}.log").read_text()[-3000:] for host in range(2))
+        assert codes == [0, 0], logs
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert {rank["master"] for rank in ranks} == {"198.18.0.1"}
+    assert {rank["interface"] for rank in ranks} == {"eth0"}
+    expected, _ = job_helpers.reference_training([rank["steps"] for rank in ranks], 150, "sgd", 1)
+    for rank in ranks:
+        worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
+        assert worst <= 1e-6, f"max abs difference {worst}"
+
+
+@pytest.mark.parametrize(
+    ("rates", "message"),
+    [([], "1 to 250 hosts"), ([0], r"rates\[0\].*> 0.*got 0"), ([10, float("nan")], r"rates\[1\]"), (["5"], "'5'")],
+)
+def test_bad_rates_are_refused_naming_the_value(rates, message):
+    with pytest.raises(ValueError, match=message):
+        Hosts(rates)
+
+
+def test_links_are_parsed_and_bad_values_named():
+    assert parse_links("1000,1000,50") == [1000.0, 1000.0, 50.0]
+    assert parse_links("0, -,20", hosts=3) == [None, None, 20.0]
+    with pytest.raises(ValueError, match=r"`--links`.*'fast' in '100,fast'"):
+        parse_links("100,fast")
+    with pytest.raises(ValueError, match=r"`--links`.*'-5'"):
+        parse_links("-5")
+    with pytest.raises(ValueError, match="gives 2 hosts a rate, but the job has 3"):
+        parse_links("10,20", hosts=3)
