@@ -11,12 +11,17 @@ excluded), and what the run achieved.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
@@ -68,6 +73,9 @@ class RunConfig:
         num_samples: training samples per epoch.
         log_dir: write the callback's ``dynamix/...`` metrics with a ``CSVLogger`` to
             ``log_dir/<controller>/metrics.csv`` (what ``dynamix report`` reads); ``None``: no logs.
+        links: each rank's host link rate in Mbit/s (``None``: no limit): every rank then runs on a host of its
+            own (:class:`~lightning_dynamix.bench.hosts.Hosts`, needs root), launched by the calling process;
+            ``None``: the ranks share this machine's loopback, launched by Lightning.
     """
 
     controller: str = "pid"
@@ -95,6 +103,10 @@ class RunConfig:
     optimizer: str = "sgd"
     num_samples: int = 16384
     log_dir: str | None = None
+    links: tuple[float | None, ...] | None = None
+
+
+_HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
 
 
 @dataclass
@@ -199,11 +211,14 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     With ``on_every_rank`` every rank returns it: the measured intervals are gathered by all ranks,
     so each can take the same next step of a search (the other figures are rank 0's own).
     """
+    hosted = _HOST_RANK in os.environ
+    if config.links is not None and not hosted:
+        return _run_on_hosts(config)
     world = len(config.speeds)
     places = contention.plan(config.contention, config.speeds)
     # the emulator: one thread per process, its factors are relative to a rank's own speed, which threads
     # competing for a core would blur; otherwise this rank's cores, threads and cgroup
-    contention.apply(places, int(os.environ.get("LOCAL_RANK", "0")))
+    contention.apply(places, int(os.environ[_HOST_RANK] if hosted else os.environ.get("LOCAL_RANK", "0")))
     slowdown = [HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule))] if places is None else []
     dynamix = DynamixCallback(
         config.controller,
@@ -216,7 +231,8 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     clock = TrainingClock()
     trainer = Trainer(
         accelerator="cpu",
-        devices=world,
+        devices=1 if hosted else world,  # on hosts: a node each
+        num_nodes=world if hosted else 1,
         strategy=HeterogeneousDDPStrategy(
             batch_sizes=list(config.batch_sizes) if config.batch_sizes else [config.batch_size] * world,
             max_batch_size=config.max_batch_size,
@@ -288,6 +304,49 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     )
 
 
+def _run_on_hosts(config: RunConfig) -> RunResult:
+    """:func:`run` with every rank on a host of its own (``config.links``): this process launches the ranks as
+    nodes meeting at host 0's address, holds them, and returns rank 0's result."""
+    from lightning_dynamix.bench.hosts import Hosts
+
+    world = len(config.speeds)
+    assert config.links is not None
+    with tempfile.TemporaryDirectory(prefix="dynamix-hosts-") as folder, Hosts(list(config.links)) as hosts:
+        out = Path(folder)
+        processes = []
+        for rank in range(world):
+            env = dict(os.environ, **hosts.env(rank), PYTHONUNBUFFERED="1")
+            for name in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+                env.pop(name, None)
+            env.update(NODE_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", **{_HOST_RANK: str(rank)})
+            command = [sys.executable, "-m", "lightning_dynamix.bench.experiments", json.dumps(asdict(config))]
+            command.append(str(out / "result.json"))
+            log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed once the rank ended
+            processes.append((hosts.popen(rank, command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        codes = []
+        for process, log in processes:
+            codes.append(process.wait())  # a rank that hangs fails its collectives at the strategy's timeout
+            log.close()
+        if any(codes):
+            rank = next(r for r, code in enumerate(codes) if code)
+            text = (out / f"rank{rank}.log").read_text()[-4000:]
+            raise RuntimeError(f"a run on hosts failed: rank {rank} exited with {codes[rank]}:\n{text}")
+        return RunResult(**json.loads((out / "result.json").read_text()))
+
+
+def _host_rank_main() -> None:
+    """A rank launched on a host by :func:`_run_on_hosts`: ``python -m lightning_dynamix.bench.experiments CONFIG
+    OUT``; rank 0 writes the result to OUT."""
+    fields = json.loads(sys.argv[1])
+    for name in ("speeds", "batch_sizes", "links"):
+        if fields.get(name) is not None:
+            fields[name] = tuple(fields[name])
+    fields["schedule"] = tuple(tuple(entry) for entry in fields["schedule"])
+    result = run(RunConfig(**fields))
+    if result is not None:
+        Path(sys.argv[2]).write_text(json.dumps(result.as_dict()))
+
+
 def is_launcher_rank_zero() -> bool:
     """Whether this process is the one the user started (Lightning's launcher starts the others)."""
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
@@ -296,3 +355,7 @@ def is_launcher_rank_zero() -> bool:
 def floats(text: str) -> tuple[float, ...]:
     """Parse ``"1,3"`` (a command-line list of speeds) into ``(1.0, 3.0)``."""
     return tuple(float(x) for x in text.split(","))
+
+
+if __name__ == "__main__":
+    _host_rank_main()

@@ -17,6 +17,7 @@ from typing import Any
 
 from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
+from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, parse_links
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
 from lightning_dynamix.data.workloads import ARCHITECTURES
@@ -70,6 +71,12 @@ def _common(parser: argparse.ArgumentParser, batch_size: int) -> None:
         "--sync-batchnorm",
         action="store_true",
         help="BatchNorm over the global batch (Trainer(sync_batchnorm=True), GlobalBatchNorm); default: per rank",
+    )
+    parser.add_argument(
+        "--links",
+        default=None,
+        help="each rank on a host of its own (a network namespace, needs root) with this link rate in Mbit/s, one"
+        " a rank (0 or -: no limit), e.g. 1000,1000,50; combines with every --contention (default: loopback)",
     )
     parser.add_argument("--num-samples", type=int, default=16384, help="training samples per epoch (default 16384)")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
@@ -235,9 +242,20 @@ def _ratio_after(result: RunResult, step: int) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _links(args: argparse.Namespace) -> str:
+    """`` hosts on links of R,R Mbit/s,`` for a header, where ``--links`` put the ranks on hosts."""
+    if args.links is None:
+        return ""
+    rates = ",".join("-" if rate is None else f"{rate:g}" for rate in args.links)
+    return f" hosts on links of {rates} Mbit/s,"
+
+
 def _contention(args: argparse.Namespace) -> contention.Contention:
     """The contention ``args`` ask for, checked against this machine: a ``SystemExit`` saying what it cannot do."""
     try:
+        if args.links is not None:
+            args.links = tuple(parse_links(args.links, len(args.speeds)))
+            check_hosts()
         places = contention.plan(args.contention, args.speeds)
         if places is not None and args.schedule:
             raise ValueError(
@@ -245,7 +263,7 @@ def _contention(args: argparse.Namespace) -> contention.Contention:
             )
         # only the launching process starts busy processes and cgroups; its ranks take their places
         return contention.Contention(places if is_launcher_rank_zero() else None)
-    except ValueError as error:
+    except (ValueError, HostsUnavailable) as error:
         raise SystemExit(str(error)) from None
 
 
@@ -315,6 +333,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         architecture=args.architecture,
         sync_batchnorm=args.sync_batchnorm,
         schedule=args.schedule,
+        links=args.links,
         val_checks_per_epoch=1,
         min_batch_size=args.min_batch_size,
         keep_global_batch=args.keep_global_batch,
@@ -384,6 +403,7 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
     for controller, rounds in summary["runs"].items():
         print(
             f"\ndynamix bench balance: {len(args.speeds)} processes, speeds {list(args.speeds)} ({args.contention}),"
+            f"{_links(args)}"
             f" controller {controller}, {args.steps} steps, decisions every {args.interval}, first round"
         )
         print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
@@ -475,6 +495,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         optimizer=args.optimizer,
         target_accuracy=args.target_accuracy,
         schedule=args.schedule,
+        links=args.links,
     )
     best: tuple[int, ...] | None = None
     oracle = None
@@ -539,7 +560,8 @@ def _report_tta(args: argparse.Namespace, output: dict[str, Any]) -> None:
     norm = ", global BatchNorm" if args.sync_batchnorm else ""
     model = f"{args.architecture} (hidden {_hidden(args)}, depth {args.depth}, {args.optimizer} lr {args.lr:g}{norm})"
     print(
-        f"\ndynamix bench tta: {model}, speeds {list(args.speeds)} ({args.contention}){changes}, {args.epochs} epochs,"
+        f"\ndynamix bench tta: {model}, speeds {list(args.speeds)} ({args.contention}){changes},{_links(args)}"
+        f" {args.epochs} epochs,"
         f" target accuracy {args.target_accuracy}, {args.seeds} seeds (medians)"
     )
     if output["oracle"] is not None:

@@ -13,8 +13,8 @@ traffic between hosts crosses the bridge, never 127.0.0.1. On exit, also after C
 process that made them is killed, the namespaces go, with every process inside: a reaper process of its
 own session waits for its maker's end (the pipe it reads closes) and removes what is left.
 
-Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``) and ``ip``/``tc`` (iproute2); :func:`check_hosts`
-says what is missing.
+Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``), ``ip``/``tc`` (iproute2) and ``nsenter``
+(util-linux); :func:`check_hosts` says what is missing.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ def check_hosts() -> None:
             "hosts in network namespaces need root (CAP_SYS_ADMIN and CAP_NET_ADMIN to make namespaces, veth links"
             f" and tc qdiscs); this process runs as uid {os.geteuid()}"
         )
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("nsenter", "util-linux")):
         if shutil.which(tool) is None:
-            raise HostsUnavailable(f"hosts in network namespaces need `{tool}` (iproute2), not found on PATH")
+            raise HostsUnavailable(f"hosts in network namespaces need `{tool}` ({package}), not found on PATH")
     name = f"dxprobe{os.getpid()}"
     made = _run("ip", "netns", "add", name)
     if made.returncode != 0:
@@ -207,8 +207,9 @@ class Hosts:
         }
 
     def command(self, host: int, command: Sequence[str]) -> list[str]:
-        """``command`` as run on ``host`` (``ip netns exec``)."""
-        return ["ip", "netns", "exec", self.namespaces[host], *[str(part) for part in command]]
+        """``command`` as run on ``host``: in its network namespace only (``nsenter --net``; ``ip netns exec``
+        would also mount a /sys of its own, hiding the cgroups that ``--contention quota`` writes)."""
+        return ["nsenter", f"--net=/run/netns/{self.namespaces[host]}", *[str(part) for part in command]]
 
     def popen(self, host: int, command: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``command`` on ``host`` (``subprocess.Popen`` arguments in ``kwargs``); stopped by :meth:`close`."""

@@ -203,3 +203,35 @@ def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_no
     )  # fmt: skip
     assert "resnet (hidden 4" in printed
     assert "global BatchNorm" in printed
+
+
+def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_slow_link(tmp_path):
+    from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts
+    from lightning_dynamix.data.workloads import ClassificationTask
+
+    try:
+        check_hosts()
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+    out = tmp_path / "links.json"
+    dynamix(
+        "bench", "balance", "--controller", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "10",
+        "--hidden", "256", "--batch-size", "32", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["config"]["links"] == [None, 20.0]
+    # every all-reduce crosses rank 1's 20 Mbit/s link: at least half the gradient's bits each way a step, whatever
+    # else the machine does (on loopback a step of this model takes a few ms)
+    gradient_bytes = 4 * sum(p.numel() for p in ClassificationTask(hidden=256, depth=2).parameters())
+    (intervals,) = result["runs"]["static"]
+    for interval in intervals:
+        assert min(interval["step_time"]) >= 0.5 * gradient_bytes * 8 / 20e6
+
+
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [("10,fast", "'fast' in '10,fast'"), ("10", "gives 1 hosts a rate, but the job has 2"), ("10,-3", "'-3'")],
+)
+def test_bench_balance_refuses_bad_links_naming_the_value(tmp_path, links, message):
+    error = dynamix_here("bench", "balance", "--speeds", "1,1", "--links", links, cwd=tmp_path, fails=True)
+    assert message in error
