@@ -177,10 +177,20 @@ def apply(places: list[RankPlace] | None, rank: int) -> None:
     if places is None:
         return
     place = places[rank]
-    if place.quota is not None:
+    if _CGROUP_ENV in os.environ:  # --contention quota: every rank in a group of its own
         group = Path(os.environ[_CGROUP_ENV]) / f"rank{rank}"
         (group / "cgroup.procs").write_text(str(os.getpid()))
     _pin(place.cores)
+
+
+def _group_file(rank: int, name: str) -> Path:
+    """A file of rank ``rank``'s cgroup, the one its launcher's :class:`Contention` made (``--contention quota``)."""
+    return Path(os.environ[_CGROUP_ENV]) / f"rank{rank}" / name
+
+
+def set_quota(rank: int, cores: float | None) -> None:
+    """Rank ``rank``'s CPU quota from now on: ``cores`` of a core per period (``None``: no quota)."""
+    _group_file(rank, "cpu.cfs_quota_us").write_text(str(-1 if cores is None else round(cores * _PERIOD_US)))
 
 
 class Contention:
@@ -211,12 +221,13 @@ class Contention:
                 self.group = self.cgroup_root / f"dynamix-bench-{os.getpid()}"
                 self.group.mkdir()
                 os.environ[_CGROUP_ENV] = str(self.group)
+                # a group for every rank, one at full speed too (no quota): a schedule may give it one later
                 for rank, place in enumerate(self.places):
-                    if place.quota is not None:
-                        rank_group = self.group / f"rank{rank}"
-                        rank_group.mkdir()
-                        (rank_group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
-                        (rank_group / "cpu.cfs_quota_us").write_text(str(round(place.quota * _PERIOD_US)))
+                    rank_group = self.group / f"rank{rank}"
+                    rank_group.mkdir()
+                    (rank_group / "cpu.cfs_period_us").write_text(str(_PERIOD_US))
+                    quota = -1 if place.quota is None else round(place.quota * _PERIOD_US)
+                    (rank_group / "cpu.cfs_quota_us").write_text(str(quota))
             for place in self.places:
                 for _ in range(place.busy):
                     proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())])

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_dynamix.bench import contention
+from lightning_dynamix.bench.load import HOSTS_ENV, LoadChange, LoadSchedule
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data.images import ImageClassificationDataModule
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
@@ -73,6 +74,8 @@ class RunConfig:
         num_samples: training samples per epoch.
         log_dir: write the callback's ``dynamix/...`` metrics with a ``CSVLogger`` to
             ``log_dir/<controller>/metrics.csv`` (what ``dynamix report`` reads); ``None``: no logs.
+        load_changes: changes of the ranks' machines at given steps (:mod:`lightning_dynamix.bench.load`:
+            co-tenants that arrive and leave, CPU quotas, link rates), each applied by its rank.
         links: each rank's host link rate in Mbit/s (``None``: no limit): every rank then runs on a host of its
             own (:class:`~lightning_dynamix.bench.hosts.Hosts`, needs root), launched by the calling process;
             ``None``: the ranks share this machine's loopback, launched by Lightning.
@@ -104,6 +107,7 @@ class RunConfig:
     num_samples: int = 16384
     log_dir: str | None = None
     links: tuple[float | None, ...] | None = None
+    load_changes: tuple[LoadChange, ...] = ()
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -218,8 +222,11 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     places = contention.plan(config.contention, config.speeds)
     # the emulator: one thread per process, its factors are relative to a rank's own speed, which threads
     # competing for a core would blur; otherwise this rank's cores, threads and cgroup
-    contention.apply(places, int(os.environ[_HOST_RANK] if hosted else os.environ.get("LOCAL_RANK", "0")))
+    rank = int(os.environ[_HOST_RANK] if hosted else os.environ.get("LOCAL_RANK", "0"))
+    contention.apply(places, rank)
     slowdown = [HeterogeneityEmulator(list(config.speeds), schedule=list(config.schedule))] if places is None else []
+    if config.load_changes:
+        slowdown.append(LoadSchedule(config.load_changes, rank))
     dynamix = DynamixCallback(
         config.controller,
         interval=config.interval,
@@ -319,6 +326,7 @@ def _run_on_hosts(config: RunConfig) -> RunResult:
             for name in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(name, None)
             env.update(NODE_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", **{_HOST_RANK: str(rank)})
+            env[HOSTS_ENV] = hosts.description()  # a schedule's link changes
             command = [sys.executable, "-m", "lightning_dynamix.bench.experiments", json.dumps(asdict(config))]
             command.append(str(out / "result.json"))
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed once the rank ended
@@ -342,6 +350,7 @@ def _host_rank_main() -> None:
         if fields.get(name) is not None:
             fields[name] = tuple(fields[name])
     fields["schedule"] = tuple(tuple(entry) for entry in fields["schedule"])
+    fields["load_changes"] = tuple(LoadChange(**change) for change in fields["load_changes"])
     result = run(RunConfig(**fields))
     if result is not None:
         Path(sys.argv[2]).write_text(json.dumps(result.as_dict()))

@@ -18,17 +18,28 @@ from typing import Any
 from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
 from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, parse_links
+from lightning_dynamix.bench.load import LoadChange, check_changes, parse_change
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
 from lightning_dynamix.data.workloads import ARCHITECTURES
 
 
-def _schedule(text: str) -> tuple[tuple[int, int, float], ...]:
-    """``STEP:RANK:FACTOR[,STEP:RANK:FACTOR...]``"""
-    entries = []
+def _schedule(text: str) -> tuple[tuple[int, int, float] | LoadChange, ...]:
+    """``STEP:RANK:CHANGE[,...]``: a factor (the emulator's), or a change of the rank's machine
+    (:mod:`lightning_dynamix.bench.load`: ``busy+N``, ``busy-N``, ``quota=F``, ``link=R``)."""
+    entries: list[tuple[int, int, float] | LoadChange] = []
     for item in text.split(","):
-        step, rank, factor = item.split(":")
-        entries.append((int(step), int(rank), float(factor)))
+        parts = item.strip().split(":")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+            raise argparse.ArgumentTypeError(f"an entry must be STEP:RANK:CHANGE (whole STEP and RANK), got {item!r}")
+        step, rank, change = int(parts[0]), int(parts[1]), parts[2]
+        try:
+            entries.append((step, rank, float(change)))
+        except ValueError:
+            try:
+                entries.append(parse_change(step, rank, change))
+            except ValueError as error:
+                raise argparse.ArgumentTypeError(str(error)) from None
     return tuple(entries)
 
 
@@ -242,6 +253,12 @@ def _ratio_after(result: RunResult, step: int) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _first_change(args: argparse.Namespace) -> int | None:
+    """The step of the schedule's first change (the emulator's or the machine's), ``None`` without one."""
+    steps = [entry[0] for entry in args.schedule] + [change.step for change in args.load_changes]
+    return min(steps) if steps else None
+
+
 def _links(args: argparse.Namespace) -> str:
     """`` hosts on links of R,R Mbit/s,`` for a header, where ``--links`` put the ranks on hosts."""
     if args.links is None:
@@ -256,6 +273,10 @@ def _contention(args: argparse.Namespace) -> contention.Contention:
         if args.links is not None:
             args.links = tuple(parse_links(args.links, len(args.speeds)))
             check_hosts()
+        # the schedule's factors are the emulator's; its other changes are the machine's, each rank its own
+        args.load_changes = tuple(c for c in args.schedule if isinstance(c, LoadChange))
+        args.schedule = tuple(c for c in args.schedule if not isinstance(c, LoadChange))
+        check_changes(args.load_changes, args.contention, len(args.speeds), args.links is not None)
         places = contention.plan(args.contention, args.speeds)
         if places is not None and args.schedule:
             raise ValueError(
@@ -334,6 +355,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         sync_batchnorm=args.sync_batchnorm,
         schedule=args.schedule,
         links=args.links,
+        load_changes=args.load_changes,
         val_checks_per_epoch=1,
         min_batch_size=args.min_batch_size,
         keep_global_batch=args.keep_global_batch,
@@ -363,7 +385,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     if oracle is not None:
         oracle["best_samples_per_second_rounds"] = fixed_rates
         oracle["best_samples_per_second"] = statistics.median(fixed_rates)
-    change = args.schedule[0][0] if args.schedule else None
+    change = _first_change(args)
     table: dict[str, Any] = {}
     for controller, results in runs.items():
         rates = [samples_per_second(r, half) for r in results]
@@ -430,7 +452,7 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
         )
         if row["settling_intervals"] is not None:
             print(
-                f"{'':>10}  after the speed change at step {args.schedule[0][0]}: settled in"
+                f"{'':>10}  after the change at step {_first_change(args)}: settled in"
                 f" {row['settling_intervals']} decision(s); throughput / ideal after settling"
                 f" {_or_dash(row['throughput_to_ideal_after_settling'])}"
             )
@@ -496,6 +518,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         target_accuracy=args.target_accuracy,
         schedule=args.schedule,
         links=args.links,
+        load_changes=args.load_changes,
     )
     best: tuple[int, ...] | None = None
     oracle = None
@@ -540,6 +563,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         "contention": args.contention,
         "oracle": oracle,
         "schedule": [list(c) for c in args.schedule],
+        "load_changes": [dataclasses.asdict(c) for c in args.load_changes],
         "target_accuracy": args.target_accuracy,
         "controllers": table,
         "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},

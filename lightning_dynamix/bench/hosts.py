@@ -20,6 +20,7 @@ Needs root (``CAP_SYS_ADMIN`` and ``CAP_NET_ADMIN``), ``ip``/``tc`` (iproute2) a
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import shutil
@@ -221,25 +222,31 @@ class Hosts:
         """Host ``host``'s link at ``rate`` Mbit/s both ways from now on (``None``: no limit)."""
         rate = _rate("rate", rate)
         self.rates[host] = rate
-        for ns, device in ((self.namespaces[host], INTERFACE), (self.switch, f"p{host}")):
-            if rate is None:
-                _run("tc", "-n", ns, "qdisc", "del", "dev", device, "root")  # none there yet: nothing to remove
-                continue
-            burst = max(64 * 1024, int(rate * 1e6 / 8 * self.burst_ms / 1e3))
-            self._tc(
-                "-n", ns, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}mbit", "burst", str(burst),
-                "latency", "100ms",
-            )  # fmt: skip
+        shape_link(self.namespaces[host], self.switch, host, rate, self.burst_ms)
+
+    def description(self) -> str:
+        """The hosts' namespaces and burst as JSON: what a process on a host needs to change a link's rate
+        (:func:`shape_link`)."""
+        return json.dumps({"namespaces": self.namespaces, "switch": self.switch, "burst_ms": self.burst_ms})
 
     def _ip(self, *args: str) -> None:
         result = _run("ip", *args)
         if result.returncode != 0:
             raise HostsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
 
-    def _tc(self, *args: str) -> None:
-        result = _run("tc", *args)
+
+def shape_link(namespace: str, switch: str, host: int, rate: float | None, burst_ms: float = 5.0) -> None:
+    """Host ``host``'s link (``eth0`` in ``namespace``, ``p<host>`` in ``switch``) at ``rate`` Mbit/s both ways,
+    ``None``: no limit. Raises :class:`HostsUnavailable` where ``tc`` refuses."""
+    for ns, device in ((namespace, INTERFACE), (switch, f"p{host}")):
+        if rate is None:
+            _run("tc", "-n", ns, "qdisc", "del", "dev", device, "root")  # none there yet: nothing to remove
+            continue
+        burst = max(64 * 1024, int(rate * 1e6 / 8 * burst_ms / 1e3))
+        command = ["tc", "-n", ns, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}mbit"]
+        result = _run(*command, "burst", str(burst), "latency", "100ms")
         if result.returncode != 0:
-            raise HostsUnavailable(f"`tc {' '.join(args)}` failed: {result.stderr.strip()}")
+            raise HostsUnavailable(f"`{' '.join(command)} ...` failed: {result.stderr.strip()}")
 
 
 def leftovers(prefix: str = "dx") -> list[str]:

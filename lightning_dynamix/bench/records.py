@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 from pathlib import Path
@@ -28,4 +29,14 @@ def machine_description() -> dict[str, Any]:
 
 def arguments_record(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's command-line arguments as JSON values (paths as strings, the handler left out)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
+
+    def value(v: Any) -> Any:
+        if isinstance(v, Path):
+            return str(v)
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return dataclasses.asdict(v)
+        if isinstance(v, list | tuple):
+            return [value(item) for item in v]
+        return v
+
+    return {k: value(v) for k, v in vars(args).items() if k != "func"}

@@ -205,7 +205,7 @@ def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_no
     assert "global BatchNorm" in printed
 
 
-def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_slow_link(tmp_path):
+def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_slow_link_and_its_changes(tmp_path):
     from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts
     from lightning_dynamix.data.workloads import ClassificationTask
 
@@ -215,17 +215,19 @@ def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_
         pytest.skip(str(error))
     out = tmp_path / "links.json"
     dynamix(
-        "bench", "balance", "--controller", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "10",
-        "--hidden", "256", "--batch-size", "32", "--output", str(out), cwd=tmp_path,
+        "bench", "balance", "--controller", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "20",
+        "--schedule", "12:1:link=5", "--hidden", "256", "--batch-size", "32", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["config"]["links"] == [None, 20.0]
-    # every all-reduce crosses rank 1's 20 Mbit/s link: at least half the gradient's bits each way a step, whatever
-    # else the machine does (on loopback a step of this model takes a few ms)
-    gradient_bytes = 4 * sum(p.numel() for p in ClassificationTask(hidden=256, depth=2).parameters())
+    assert result["config"]["load_changes"] == [{"step": 12, "rank": 1, "kind": "link", "value": 5.0}]
+    # every all-reduce crosses rank 1's link, 20 Mbit/s and 5 from step 12: at least half the gradient's bits each
+    # way a step, whatever else the machine does (on loopback a step of this model takes a few ms)
+    gradient_bits = 32 * sum(p.numel() for p in ClassificationTask(hidden=256, depth=2).parameters())
     (intervals,) = result["runs"]["static"]
-    for interval in intervals:
-        assert min(interval["step_time"]) >= 0.5 * gradient_bytes * 8 / 20e6
+    assert [i["step"] for i in intervals] == [10, 15, 20]
+    assert min(intervals[0]["step_time"]) >= 0.5 * gradient_bits / 20e6
+    assert min(intervals[2]["step_time"]) >= 0.5 * gradient_bits / 5e6  # steps 16-20: all on the slower link
 
 
 @pytest.mark.parametrize(
