@@ -215,6 +215,20 @@ def find_best_fixed_split(
     return best, means[best], measured
 
 
+def size_spread(result: RunResult, after_step: int) -> list[dict[str, float]] | None:
+    """Each rank's batch size over the run's intervals after ``after_step``: its least and largest, and their
+    difference as a share of the global batch (how far the controller kept moving it); ``None`` without one."""
+    sizes = [i["batch_sizes"] for i in result.intervals if i["step"] > after_step]
+    if not sizes:
+        return None
+    spread = []
+    for rank in range(len(sizes[0])):
+        mine = [s[rank] for s in sizes]
+        total = statistics.median(sum(s) for s in sizes)
+        spread.append({"min": min(mine), "max": max(mine), "of_global_batch": (max(mine) - min(mine)) / total})
+    return spread
+
+
 def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
     """Decisions after ``change_step`` until the sizes stay within ``tolerance`` of the run's final ones.
 
@@ -398,6 +412,8 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
             else statistics.median(rates) / oracle["best_samples_per_second"],
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
+            # each rank's sizes over the second half, per round: how far the controller kept moving them
+            "size_spread_second_half": [size_spread(r, half) for r in results],
             # a speed change: decisions until the first round's sizes settled, and throughput / ideal after
             "settling_intervals": settling,
             "throughput_to_ideal_after_settling": _after_settling(results[0], change, args.interval, settling),
@@ -450,6 +466,14 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
             f"  {row['throughput_to_ideal_second_half']:>7.3f}"
         )
+        spreads = [spread for spread in row["size_spread_second_half"] if spread]
+        if spreads:
+            worst = max(rank["of_global_batch"] for spread in spreads for rank in spread)
+            ranges = "; ".join(", ".join(f"{rank['min']:g}-{rank['max']:g}" for rank in spread) for spread in spreads)
+            print(
+                f"{'':>10}  sizes over the second half per round: {ranges}"
+                f" (widest {100 * worst:.1f}% of the global batch)"
+            )
         if row["settling_intervals"] is not None:
             print(
                 f"{'':>10}  after the change at step {_first_change(args)}: settled in"

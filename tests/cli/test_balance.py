@@ -54,6 +54,13 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     # here, that the bench reports them
     assert "settling_intervals" in pid
     assert pid["throughput_to_ideal_second_half"] > 0
+    # how far pid kept moving each rank's size over the second half (steps after 20), from the intervals
+    later = [i["batch_sizes"] for i in intervals if i["step"] > 20]
+    (spread,) = pid["size_spread_second_half"]
+    for rank, reported in enumerate(spread):
+        mine = [sizes[rank] for sizes in later]
+        assert (reported["min"], reported["max"]) == (min(mine), max(mine))
+        assert reported["of_global_batch"] == (max(mine) - min(mine)) / 64
 
 
 def test_bench_balance_runs_goodput_with_sitting_out_allowed_and_refuses_a_negative_bound(tmp_path):
