@@ -1,4 +1,5 @@
-"""torch elastic on one machine: torchrun agents on 127.0.0.1 as nodes that can be preempted and added.
+"""torch elastic on one machine: torchrun agents on 127.0.0.1 as nodes that can be preempted and added; and the
+environments every bench gives the processes it launches (:func:`job_environment`, :func:`node_environment`).
 
 ``dynamix bench elastic`` and the elastic tests run their jobs on it.
 """
@@ -25,6 +26,27 @@ print(store.port, flush=True)
 while True:
     time.sleep(3600)
 """
+
+
+# what Lightning or a launcher left in this process's environment about the job it runs in
+JOB_VARIABLES = (
+    "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE",
+)  # fmt: skip
+
+
+def job_environment(**extra: str) -> dict[str, str]:
+    """This process's environment for a process that starts a job of its own: none of :data:`JOB_VARIABLES`
+    (left by a Trainer that ran here), output unbuffered, then ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def node_environment(rank: int, world: int, **extra: str) -> dict[str, str]:
+    """:func:`job_environment` for rank ``rank`` of ``world`` launched as a node of one process (Lightning's
+    ``num_nodes=world, devices=1``); ``extra`` adds the master's address and port and anything else."""
+    return job_environment(NODE_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", **extra)
 
 
 class LocalElasticCluster:
@@ -55,10 +77,7 @@ class LocalElasticCluster:
     ) -> None:
         self.command, self.out = [str(a) for a in command], Path(out)
         self.nnodes, self.max_restarts, self.run_id = nnodes, max_restarts, run_id
-        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-        for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-            self.env.pop(name, None)
-        self.env.update(env or {})
+        self.env = job_environment(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
         self.nodes: dict[str, subprocess.Popen] = {}
         self.starts: dict[str, int] = {}
         self.retired: list[tuple[Path, subprocess.Popen]] = []  # agents of a name started again

@@ -183,6 +183,15 @@ def apply(places: list[RankPlace] | None, rank: int) -> None:
     _pin(place.cores)
 
 
+def start_busy(cores: Sequence[int] | None = None) -> subprocess.Popen[bytes]:
+    """A busy process (a spin loop at this process's priority) on ``cores`` (default: this process's), which
+    ends by itself once this process is gone."""
+    process = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())])
+    if cores is not None:
+        os.sched_setaffinity(process.pid, cores)
+    return process
+
+
 def _group_file(rank: int, name: str) -> Path:
     """A file of rank ``rank``'s cgroup, the one its launcher's :class:`Contention` made (``--contention quota``)."""
     return Path(os.environ[_CGROUP_ENV]) / f"rank{rank}" / name
@@ -229,10 +238,7 @@ class Contention:
                     quota = -1 if place.quota is None else round(place.quota * _PERIOD_US)
                     (rank_group / "cpu.cfs_quota_us").write_text(str(quota))
             for place in self.places:
-                for _ in range(place.busy):
-                    proc = subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())])
-                    self.busy.append(proc)
-                    os.sched_setaffinity(proc.pid, place.cores)
+                self.busy += [start_busy(place.cores) for _ in range(place.busy)]
         except BaseException:
             self.__exit__(None, None, None)
             raise

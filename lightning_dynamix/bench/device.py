@@ -54,6 +54,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from lightning_dynamix.bench.cluster import job_environment, node_environment
+
 CHECKS = ("exactness", "timing", "pid", "memory", "mixed", "offload", "nvml")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 NUM_SAMPLES, FEATURES = 8192, 64
@@ -179,10 +181,7 @@ class _Runner:
         port = free_port()
         procs = []
         for rank in ranks:
-            env = dict(os.environ, PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            env.update(WORLD_SIZE=str(world), NODE_RANK=str(rank), LOCAL_RANK="0")
-            for unset in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
-                env.pop(unset, None)
+            env = node_environment(rank, world, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             if job.get("gpu_per_rank"):  # each rank's node sees its own GPU as device 0
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)
             command = [sys.executable, "-m", "lightning_dynamix.bench.device", "--job", json.dumps(spec)]
@@ -353,9 +352,8 @@ def _check_offload(runner: _Runner, args: argparse.Namespace) -> list[dict[str, 
     command = [sys.executable, "-m", "lightning_dynamix.bench.offload", "--skip-memory"]
     command += ["--accelerator", runner.accelerator, "--servers", "1", "--rounds", str(args.offload_rounds)]
     command += ["--steps", "30", "--setups", ";".join(OFFLOAD_SETUPS), "--output", str(output)]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK")}
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=runner.budget)
+        proc = subprocess.run(command, capture_output=True, text=True, env=job_environment(), timeout=runner.budget)
     except subprocess.TimeoutExpired:
         raise RuntimeError("offload check ran past --budget") from None
     if proc.returncode != 0:

@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from lightning_dynamix.bench import contention
+from lightning_dynamix.bench.cluster import node_environment
 from lightning_dynamix.bench.load import HOSTS_ENV, LoadChange, LoadSchedule
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data.images import ImageClassificationDataModule
@@ -322,11 +323,10 @@ def _run_on_hosts(config: RunConfig) -> RunResult:
         out = Path(folder)
         processes = []
         for rank in range(world):
-            env = dict(os.environ, **hosts.env(rank), PYTHONUNBUFFERED="1")
-            for name in ("RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
-                env.pop(name, None)
-            env.update(NODE_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", **{_HOST_RANK: str(rank)})
-            env[HOSTS_ENV] = hosts.description()  # a schedule's link changes
+            # the hosts' description: for a schedule's link changes
+            env = node_environment(
+                rank, world, **hosts.env(rank), **{_HOST_RANK: str(rank), HOSTS_ENV: hosts.description()}
+            )
             command = [sys.executable, "-m", "lightning_dynamix.bench.experiments", json.dumps(asdict(config))]
             command.append(str(out / "result.json"))
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed once the rank ended

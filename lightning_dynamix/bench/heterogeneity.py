@@ -281,16 +281,24 @@ def _links(args: argparse.Namespace) -> str:
     return f" hosts on links of {rates} Mbit/s,"
 
 
-def _contention(args: argparse.Namespace) -> contention.Contention:
-    """The contention ``args`` ask for, checked against this machine: a ``SystemExit`` saying what it cannot do."""
+def _machine(args: argparse.Namespace) -> None:
+    """``--links`` as rates and the schedule split into the emulator's factors (``args.schedule``) and the machine's
+    changes (``args.load_changes``), each checked against the run and this machine: a ``SystemExit`` saying what
+    is wrong."""
     try:
         if args.links is not None:
             args.links = tuple(parse_links(args.links, len(args.speeds)))
             check_hosts()
-        # the schedule's factors are the emulator's; its other changes are the machine's, each rank its own
         args.load_changes = tuple(c for c in args.schedule if isinstance(c, LoadChange))
         args.schedule = tuple(c for c in args.schedule if not isinstance(c, LoadChange))
         check_changes(args.load_changes, args.contention, len(args.speeds), args.links is not None)
+    except (ValueError, HostsUnavailable) as error:
+        raise SystemExit(str(error)) from None
+
+
+def _contention(args: argparse.Namespace) -> contention.Contention:
+    """The contention ``args`` ask for, checked against this machine: a ``SystemExit`` saying what it cannot do."""
+    try:
         places = contention.plan(args.contention, args.speeds)
         if places is not None and args.schedule:
             raise ValueError(
@@ -298,7 +306,7 @@ def _contention(args: argparse.Namespace) -> contention.Contention:
             )
         # only the launching process starts busy processes and cgroups; its ranks take their places
         return contention.Contention(places if is_launcher_rank_zero() else None)
-    except (ValueError, HostsUnavailable) as error:
+    except ValueError as error:
         raise SystemExit(str(error)) from None
 
 
@@ -346,6 +354,7 @@ def run_balance(args: argparse.Namespace) -> None:
         raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    _machine(args)
     with _contention(args):
         summary = _balance_runs(args)
     if summary is not None:
@@ -517,6 +526,7 @@ def run_tta(args: argparse.Namespace) -> None:
         raise SystemExit("--oracle searches one fixed split for fixed speeds; it cannot be combined with --schedule")
     if args.oracle_steps < 10:
         raise SystemExit(f"--oracle-steps must be >= 10 (a run's second half is measured), got {args.oracle_steps}")
+    _machine(args)
     with _contention(args):
         output = _tta_runs(args)
     if output is not None:

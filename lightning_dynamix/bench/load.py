@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-KINDS = ("busy", "quota", "link")
+from lightning_dynamix.bench.contention import set_quota, start_busy
+from lightning_dynamix.bench.hosts import shape_link
+
 HOSTS_ENV = "DYNAMIX_BENCH_HOSTS"  # in a rank launched on a host: the hosts' namespaces and burst, as JSON
 
 
@@ -61,7 +62,7 @@ def parse_change(step: int, rank: int, text: str) -> LoadChange:
                 return LoadChange(step, rank, "quota", cores)
         elif text.startswith("link="):
             rate = float(text[5:])
-            if rate >= 0 and rate == rate:
+            if rate >= 0:  # NaN is not
                 return LoadChange(step, rank, "link", rate)
     except ValueError:
         pass
@@ -76,8 +77,8 @@ def check_changes(changes: Sequence[LoadChange], contention: str, world: int, li
     needs = {
         "busy": ("--contention busy", contention == "busy"),
         "quota": ("--contention quota", contention == "quota"),
+        "link": ("--links (ranks on hosts of their own)", links),
     }
-    needs["link"] = ("--links (ranks on hosts of their own)", links)
     running: dict[int, int] = {}
     for change in sorted(changes, key=lambda c: c.step):
         entry = str(change)
@@ -121,24 +122,18 @@ class LoadSchedule(Callback):
             self.applied.append(change)
 
     def _busy(self, value: float) -> None:
-        from lightning_dynamix.bench.contention import _BUSY_LOOP
-
         count = int(value)
-        for _ in range(count):  # a child keeps this rank's cores (affinity is inherited)
-            self.busy.append(subprocess.Popen([sys.executable, "-c", _BUSY_LOOP, str(os.getpid())]))
+        # on this rank's cores: a child inherits the affinity --contention busy pinned the rank to
+        self.busy += [start_busy() for _ in range(count)]
         for _ in range(-count):
             process = self.busy.pop()
             process.kill()
             process.wait()
 
     def _quota(self, cores: float) -> None:
-        from lightning_dynamix.bench.contention import set_quota
-
         set_quota(self.rank, cores)
 
     def _link(self, rate: float) -> None:
-        from lightning_dynamix.bench.hosts import shape_link
-
         hosts = json.loads(os.environ[HOSTS_ENV])
         shape_link(hosts["namespaces"][self.rank], hosts["switch"], self.rank, rate or None, hosts["burst_ms"])
 

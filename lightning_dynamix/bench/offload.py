@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_dynamix.bench.cluster import job_environment
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
@@ -50,7 +50,6 @@ SETUPS: list[tuple[str, int, int, int, int | str | None]] = [("in-process", 0, 0
     for staleness in (0, 1)
     for depth, threads, suffix in ((0, ALL_CORES, ", before"), (0, None, ", not pipelined"), (1, None, ""))
 ]
-_JOB_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,8 +173,7 @@ def _peak_bytes(args: argparse.Namespace, rows: int, servers: int) -> int | None
     command += ["--probe-servers", str(servers), "--batch-size", str(args.batch_size)]
     command += ["--embedding-dim", str(args.embedding_dim)]
     # a fresh job: not the variables Lightning left in this process for the runs of the speed measurement
-    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    proc = subprocess.run(command, capture_output=True, text=True, env=job_environment())
     if proc.returncode != 0:  # out of memory, or a failure: this size does not train
         print(f"{rows} rows per table on {servers} servers failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
