@@ -301,7 +301,7 @@ def run_calibrate(args: argparse.Namespace) -> None:
         )
     print(
         f"  all-reduce {scenario.allreduce_time * 1e3:.2f} ms ({scenario.gradient_bytes / 1e6:.1f} MB at"
-        f" {scenario.bandwidth / 1e9:.2f} GB/s, {scenario.overlap:.0%} hidden); noise scale"
+        f" {scenario.bandwidth * 8 / 1e6:.0f} Mbit/s, {scenario.overlap:.0%} hidden); noise scale"
         f" {scenario.noise_scale_start:.0f} -> {scenario.noise_scale_end:.0f};"
         f" loss {scenario.loss_start:.3f} -> {scenario.loss_end:.3f}"
     )

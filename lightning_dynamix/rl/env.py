@@ -75,7 +75,9 @@ class RewardScale:
         b0, global_batch = s.initial_batch_size, float(s.world_size * s.initial_batch_size)
         samples = s.interval_steps * global_batch
         progress = samples * s.noise_scale_start / (s.noise_scale_start + global_batch)
-        return cls(progress, samples / s.ideal_throughput([b0] * s.world_size, simulator.speed_multipliers(0.0)))
+        start = (simulator.speed_multipliers(0.0), simulator.link_multipliers(0.0))
+        ideal = s.ideal_throughput([b0] * s.world_size, *start)
+        return cls(progress, samples / ideal)
 
 
 def remaining_progress(simulator: ClusterSimulator) -> float:

@@ -60,8 +60,8 @@ ControllerFactory = Callable[[Scenario], BatchController]
 class OracleController:
     """A reference, not a controller: decides from what only the simulator knows.
 
-    Every decision it reads the simulator's true speeds (drift and slowdowns included, the moment
-    they happen) and true gradient noise scale, and runs the global batch, among the initial one
+    Every decision it reads the simulator's true speeds and link rates (drift and slowdowns included,
+    the moment they happen) and true gradient noise scale, and runs the global batch, among the initial one
     times ``2^(k/4)`` for ``k`` in -12..12, whose split into equal own step times (within the memory
     limits) has the most goodput, discounted for the accuracy ceiling large batches cost. No
     controller that measures can know these, so how close one comes to it is what there was to win.
@@ -79,7 +79,7 @@ class OracleController:
         noise = simulator.noise_scale
         overhead, per_sample = np.asarray(s.step_overhead) / speeds, np.asarray(s.compute_per_sample) / speeds
         load, memory = np.asarray(s.data_per_sample), np.asarray(s.memory_limit, dtype=np.float64)
-        exposed = s.allreduce_time * (1.0 - s.overlap)
+        exposed = simulator.allreduce_time(simulator.time) * (1.0 - s.overlap)
         margin = s.best_accuracy - s.target_accuracy
         best: tuple[float, tuple[int, ...]] = (-np.inf, state.batch_sizes)
         for k in range(-12, 13):

@@ -17,7 +17,11 @@ The model, per training step ``k`` of an interval (``n`` ranks, rank ``r`` at ba
 * data loading: ``data_per_sample_r * b_r`` seconds per batch, prefetched while the previous step
   computes, so the rank waits ``max(0, load - compute)``.
 * all-reduce: ring all-reduce of ``gradient_bytes``, ``2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency``
-  seconds; the fraction ``overlap`` of it hides behind the backward pass, the rest is exposed after
+  seconds, ``bandwidth`` the slowest of the fabric's and every rank's own host link (``link_bandwidth``: a
+  node in another zone, a spot node on a slower link; a ring runs at its slowest hop). A link slows at
+  random times (``link_change_rate``: another job's traffic, a move to a busier path) by a factor and
+  recovers; like the speeds, the links' trajectory depends only on the scenario, the seed and wall-clock
+  time. The fraction ``overlap`` of it hides behind the backward pass, the rest is exposed after
   the slowest rank's last bucket. Every rank's ``sync_wait`` is the wait for the slowest rank plus the
   exposed transfer; ``step_time`` is the same on every rank.
 * memory: a rank given more than ``memory_limit_r`` samples runs out of memory; the simulator
@@ -89,6 +93,10 @@ class Scenario:
         slowdown_factor: ``(low, high)``: a slowdown divides the speed by a factor drawn in this range.
         slowdown_duration: mean seconds a slowdown lasts.
         noise_measurement: standard deviation of the log of the measured noise scale.
+        link_bandwidth: each rank's host link, bytes per second, or ``None``: every link as fast as ``bandwidth``.
+        link_change_rate: per rank per second, how often its link slows (0: links keep their rate).
+        link_change_factor: ``(low, high)``: a slowed link's rate is divided by a factor drawn in this range.
+        link_change_duration: mean seconds a link stays slowed.
     """
 
     world_size: int
@@ -121,6 +129,10 @@ class Scenario:
     slowdown_factor: tuple[float, float] = (2.0, 4.0)
     slowdown_duration: float = 60.0
     noise_measurement: float = 0.3
+    link_bandwidth: tuple[float, ...] | None = None
+    link_change_rate: float = 0.0
+    link_change_factor: tuple[float, float] = (4.0, 30.0)
+    link_change_duration: float = 60.0
 
     def __post_init__(self) -> None:
         n = require_int("world_size", self.world_size, 1)
@@ -163,14 +175,41 @@ class Scenario:
                 f"`slowdown_factor` must be (low, high) with 1 <= low <= high, got {self.slowdown_factor!r}"
             )
         object.__setattr__(self, "slowdown_factor", (float(low), float(high)))
+        if self.link_bandwidth is not None:
+            links = tuple(float(v) for v in self.link_bandwidth)
+            if len(links) != n or any(not (math.isfinite(v) and v > 0) for v in links):
+                raise ValueError(
+                    f"`link_bandwidth` must hold one finite rate > 0 (bytes per second) per rank ({n}) or be None,"
+                    f" got {self.link_bandwidth!r}"
+                )
+            object.__setattr__(self, "link_bandwidth", links)
+        require_number("link_change_rate", self.link_change_rate, 0.0)
+        require_number("link_change_duration", self.link_change_duration, 0.0, low_open=True)
+        low, high = self.link_change_factor
+        if not (1.0 <= low <= high):
+            raise ValueError(
+                f"`link_change_factor` must be (low, high) with 1 <= low <= high, got {self.link_change_factor!r}"
+            )
+        object.__setattr__(self, "link_change_factor", (float(low), float(high)))
 
     @property
     def allreduce_time(self) -> float:
-        """Seconds of one ring all-reduce of the gradients (0 for one rank)."""
+        """Seconds of one ring all-reduce of the gradients (0 for one rank), every link at its nominal rate."""
+        return self.allreduce_time_at(None)
+
+    def allreduce_time_at(self, link_multipliers: Sequence[float] | None) -> float:
+        """Seconds of one ring all-reduce with each rank's link at ``link_multipliers`` times its rate (``None``: 1).
+
+        The ring runs at the slowest of the fabric (``bandwidth``) and the ranks' own links.
+        """
         n = self.world_size
         if n == 1:
             return 0.0
-        return 2.0 * (n - 1) / n * self.gradient_bytes / self.bandwidth + 2.0 * (n - 1) * self.latency
+        links = np.full(n, self.bandwidth) if self.link_bandwidth is None else np.asarray(self.link_bandwidth)
+        if link_multipliers is not None:
+            links = links * np.asarray(link_multipliers, dtype=np.float64)
+        rate = min(self.bandwidth, float(links.min()))
+        return 2.0 * (n - 1) / n * self.gradient_bytes / rate + 2.0 * (n - 1) * self.latency
 
     def own_time(self, batch_sizes: Sequence[float], speeds: Sequence[float] | None = None) -> np.ndarray:
         """Each rank's data wait plus compute per step at ``batch_sizes`` and speed multipliers, seconds (no jitter)."""
@@ -180,9 +219,14 @@ class Scenario:
         load = np.asarray(self.data_per_sample) * b
         return compute + np.maximum(0.0, load - compute)
 
-    def ideal_throughput(self, batch_sizes: Sequence[float], speeds: Sequence[float] | None = None) -> float:
+    def ideal_throughput(
+        self,
+        batch_sizes: Sequence[float],
+        speeds: Sequence[float] | None = None,
+        link_multipliers: Sequence[float] | None = None,
+    ) -> float:
         """``sum_r b_r / (own_r + exposed transfer)``: samples per second if no rank waited for another."""
-        own = self.own_time(batch_sizes, speeds) + self.allreduce_time * (1.0 - self.overlap)
+        own = self.own_time(batch_sizes, speeds) + self.allreduce_time_at(link_multipliers) * (1.0 - self.overlap)
         return float(np.sum(np.asarray(batch_sizes, dtype=np.float64) / own))
 
     def to_dict(self) -> dict[str, Any]:
@@ -221,6 +265,11 @@ class ScenarioSpace:
         generalization_gap: accuracy lost per doubling beyond the noise scale.
         slowdown_probability: probability that a scenario has sudden slowdowns at all.
         slowdowns_per_hour: per rank, when it has them.
+        slow_link_probability: probability that some hosts sit on a slow link (another zone, a spot node).
+        slow_link_to_compute: the all-reduce over such a link relative to the fastest rank's compute at the
+            initial batch: above 1, the network bounds the step.
+        link_change_probability: probability that the links slow down and recover during the run.
+        link_changes_per_hour: per rank, when they do.
     """
 
     world_sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -239,6 +288,10 @@ class ScenarioSpace:
     generalization_gap: tuple[float, float] = (0.0, 0.04)
     slowdown_probability: float = 0.5
     slowdowns_per_hour: tuple[float, float] = (1.0, 12.0)
+    slow_link_probability: float = 0.25
+    slow_link_to_compute: tuple[float, float] = (1.5, 30.0)
+    link_change_probability: float = 0.25
+    link_changes_per_hour: tuple[float, float] = (2.0, 20.0)
 
     def sample(self, rng: np.random.Generator, world_size: int | None = None) -> Scenario:
         """One scenario drawn with ``rng``; ``world_size`` fixes the number of ranks."""
@@ -269,6 +322,21 @@ class ScenarioSpace:
         convergence = steps * global_batch * noise_mid / (noise_mid + global_batch)
         slowdowns = rng.random() < self.slowdown_probability
         best = float(rng.uniform(0.7, 0.98))
+        # in the order they were always drawn in
+        latency, overlap, has_gpu = log_uniform(5e-6, 1e-4), float(rng.uniform(0.0, 0.8)), bool(rng.random() < 0.7)
+        dataset_size = int(global_batch * log_uniform(50, 2000))
+        loss_start, loss_end = float(rng.uniform(1.0, 5.0)), float(rng.uniform(0.05, 0.5))
+        gap = float(rng.uniform(*self.generalization_gap))
+        jitter, drift = float(rng.uniform(0.02, 0.15)), float(rng.uniform(0.0, 0.15))
+        slowdown_rate = log_uniform(*self.slowdowns_per_hour) / 3600.0 if slowdowns else 0.0
+        # drawn last, so a space without slow links draws the scenarios it drew before they existed
+        links, link_changes = None, 0.0
+        if n > 1 and self.slow_link_probability > 0 and rng.random() < self.slow_link_probability:
+            slow = rng.choice(n, size=int(rng.integers(1, max(1, n // 2) + 1)), replace=False)
+            rate = ring * gradient_bytes / (log_uniform(*self.slow_link_to_compute) * fastest * b0)
+            links = tuple(rate if r in slow else bandwidth for r in range(n))
+        if n > 1 and self.link_change_probability > 0 and rng.random() < self.link_change_probability:
+            link_changes = log_uniform(*self.link_changes_per_hour) / 3600.0
         return Scenario(
             world_size=n,
             compute_per_sample=tuple(float(c) for c in compute),
@@ -277,23 +345,25 @@ class ScenarioSpace:
             memory_limit=tuple(max(b0, int(memory[t])) for t in rank_type),
             gradient_bytes=float(gradient_bytes),
             bandwidth=bandwidth,
-            latency=log_uniform(5e-6, 1e-4),
-            overlap=float(rng.uniform(0.0, 0.8)),
-            has_gpu=bool(rng.random() < 0.7),
+            latency=latency,
+            overlap=overlap,
+            has_gpu=has_gpu,
             initial_batch_size=b0,
-            dataset_size=int(global_batch * log_uniform(50, 2000)),
+            dataset_size=dataset_size,
             interval_steps=10,
             noise_scale_start=noise_start,
             noise_scale_end=noise_end,
             convergence_samples=convergence,
-            loss_start=float(rng.uniform(1.0, 5.0)),
-            loss_end=float(rng.uniform(0.05, 0.5)),
+            loss_start=loss_start,
+            loss_end=loss_end,
             best_accuracy=best,
-            generalization_gap=float(rng.uniform(*self.generalization_gap)),
+            generalization_gap=gap,
             target_accuracy=0.9 * best,
-            jitter=float(rng.uniform(0.02, 0.15)),
-            drift=float(rng.uniform(0.0, 0.15)),
-            slowdown_rate=log_uniform(*self.slowdowns_per_hour) / 3600.0 if slowdowns else 0.0,
+            jitter=jitter,
+            drift=drift,
+            slowdown_rate=slowdown_rate,
+            link_bandwidth=links,
+            link_change_rate=link_changes,
         )
 
 
@@ -329,6 +399,35 @@ class _SpeedTrajectory:
             self.slow_factor = np.where(end, 1.0, self.slow_factor)
             self.slow_factor = np.where(start, self.rng.uniform(*s.slowdown_factor, n), self.slow_factor)
         self.values.append(np.exp(self.log_drift) / self.slow_factor)
+
+
+class _LinkTrajectory:
+    """Every rank's link rate multiplier as a function of wall-clock time, on the speeds' time grid.
+
+    Its own random stream: adding links to a scenario leaves its speed trajectory as it was.
+    """
+
+    def __init__(self, scenario: Scenario, seed: int, grid: float) -> None:
+        self.scenario = scenario
+        self.grid = grid
+        self.rng = np.random.default_rng([seed, 3])
+        self.slow_factor = np.ones(scenario.world_size)
+        self.values: list[np.ndarray] = []
+
+    def at(self, t: float) -> np.ndarray:
+        index = int(t // self.grid)
+        while len(self.values) <= index:
+            self._extend()
+        return self.values[index]
+
+    def _extend(self) -> None:
+        s, n, dt = self.scenario, self.scenario.world_size, self.grid
+        if s.link_change_rate > 0:
+            start = (self.slow_factor == 1.0) & (self.rng.random(n) < 1 - math.exp(-s.link_change_rate * dt))
+            end = (self.slow_factor > 1.0) & (self.rng.random(n) < 1 - math.exp(-dt / s.link_change_duration))
+            self.slow_factor = np.where(end, 1.0, self.slow_factor)
+            self.slow_factor = np.where(start, self.rng.uniform(*s.link_change_factor, n), self.slow_factor)
+        self.values.append(1.0 / self.slow_factor)
 
 
 @dataclass(frozen=True)
@@ -398,6 +497,7 @@ class ClusterSimulator:
     def reset(self) -> ClusterState:
         """Start over (same seed, same speed trajectory); the state after a first interval at the initial sizes."""
         self._speeds = _SpeedTrajectory(self.scenario, self.seed, self._grid)
+        self._links = _LinkTrajectory(self.scenario, self.seed, self._grid)
         self._rng = np.random.default_rng([self.seed, 2])
         self._progress = _Progress()
         state, _outcome = self.run_interval([self.scenario.initial_batch_size] * self.scenario.world_size)
@@ -452,6 +552,14 @@ class ClusterSimulator:
         """Every rank's speed relative to its nominal speed at ``time`` seconds (drift and slowdowns)."""
         return self._speeds.at(time).copy()
 
+    def link_multipliers(self, time: float) -> np.ndarray:
+        """Every rank's link rate relative to its nominal rate at ``time`` seconds."""
+        return self._links.at(time).copy()
+
+    def allreduce_time(self, time: float) -> float:
+        """Seconds of one all-reduce at ``time`` seconds, at the links' rates then (without measurement noise)."""
+        return self.scenario.allreduce_time_at(self._links.at(time))
+
     def run_interval(self, batch_sizes: Sequence[int]) -> tuple[ClusterState, IntervalOutcome]:
         """Train ``interval_steps`` steps at ``batch_sizes``; the state gathered at its end and what happened."""
         s, p = self.scenario, self._progress
@@ -462,13 +570,14 @@ class ClusterSimulator:
         oom = tuple(r for r in range(n) if sizes[r] > s.memory_limit[r])
         run = np.array([min(b, s.memory_limit[r]) for r, b in enumerate(sizes)], dtype=np.float64)
         speeds = self.speed_multipliers(p.time)
+        links = self.link_multipliers(p.time)
 
         jitter = np.exp(s.jitter * self._rng.standard_normal((k, n)) - 0.5 * s.jitter**2)
         compute = (np.asarray(s.step_overhead) + np.asarray(s.compute_per_sample) * run) / speeds * jitter
         load = np.asarray(s.data_per_sample) * run * np.exp(0.05 * self._rng.standard_normal((k, n)))
         data = np.maximum(0.0, load - compute)
         own = data + compute
-        transfer = s.allreduce_time
+        transfer = s.allreduce_time_at(links)
         exposed = transfer * (1.0 - s.overlap) * np.exp(0.05 * self._rng.standard_normal(k))
         slowest = own.max(axis=1)
         step = slowest + exposed
@@ -527,7 +636,7 @@ class ClusterSimulator:
         )
         b0 = [s.initial_batch_size] * n
         g0 = float(n * s.initial_batch_size)
-        reference = s.ideal_throughput(b0, speeds) * noise / (noise + g0)
+        reference = s.ideal_throughput(b0, speeds, links) * noise / (noise + g0)
         outcome = IntervalOutcome(
             elapsed=elapsed,
             time=p.time,
@@ -559,4 +668,5 @@ def with_world_size(scenario: Scenario, world_size: int) -> Scenario:
         step_overhead=per_rank(scenario.step_overhead),
         data_per_sample=per_rank(scenario.data_per_sample),
         memory_limit=per_rank(scenario.memory_limit),
+        link_bandwidth=None if scenario.link_bandwidth is None else per_rank(scenario.link_bandwidth),
     )

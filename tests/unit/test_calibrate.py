@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -68,6 +69,16 @@ def test_a_scenario_fitted_to_a_runs_logs_recovers_the_cluster_and_replays_the_r
     rows = replay(fitted, ranks, report)
     assert len(rows) == 30
     assert report.replay_step_time_error < 0.1
+
+
+def test_a_slow_host_link_is_learned_from_the_runs_all_reduce():
+    # rank 2's host on a 30 Mbit/s link: the all-reduce, not the compute, bounds the step
+    truth = replace(TRUTH, gradient_bytes=4e6, link_bandwidth=(2e9, 2e9, 30e6 / 8), overlap=0.0)
+    series, ranks = logged_run(truth)
+    fitted, _ = calibrate(series, ranks, dataset_size=50_000)
+    assert fitted.bandwidth * 8 / 1e6 == pytest.approx(30, rel=0.1)  # Mbit/s: the ring's slowest hop
+    assert fitted.allreduce_time == pytest.approx(truth.allreduce_time, rel=0.1)
+    assert fitted.allreduce_time > 5 * max(a + b * 64 for a, b in zip(fitted.step_overhead, fitted.compute_per_sample))
 
 
 def test_a_single_interval_is_not_enough():

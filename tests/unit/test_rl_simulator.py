@@ -74,6 +74,47 @@ def test_ring_allreduce_time_follows_world_size_bandwidth_and_latency():
     assert slower_link.allreduce_time > 9 * scenario.allreduce_time
 
 
+def test_a_slow_host_link_bounds_the_ring_and_its_step():
+    scenario = two_ranks(latency=0.0)
+    slow = replace(scenario, link_bandwidth=(1e9, 1e7))  # rank 1's host on a 100x slower link
+    assert slow.allreduce_time == pytest.approx(2 * 1 / 2 * 4e6 / 1e7)
+    assert slow.allreduce_time_at([1.0, 4.0]) == pytest.approx(slow.allreduce_time / 4)  # the link recovers
+    # the fabric is a bound too: a host link faster than it changes nothing
+    assert replace(scenario, link_bandwidth=(1e12, 1e12)).allreduce_time == pytest.approx(scenario.allreduce_time)
+    assert with_world_size(slow, 4).link_bandwidth == (1e9, 1e7, 1e9, 1e7)
+    fast_step = run(ClusterSimulator(scenario, 0), [64, 64])[-1]
+    slow_step = run(ClusterSimulator(slow, 0), [64, 64])[-1]
+    exposed = slow.allreduce_time * (1 - slow.overlap)
+    assert slow_step.elapsed - fast_step.elapsed == pytest.approx(
+        scenario.interval_steps * (exposed - scenario.allreduce_time * (1 - scenario.overlap)), rel=0.1
+    )
+
+
+def test_links_slow_down_and_recover_on_their_own_stream_leaving_the_speeds_as_they_were():
+    still = two_ranks(drift=0.2, drift_time=1.0, latency=0.0)
+    changing = replace(still, link_change_rate=0.5, link_change_duration=2.0, link_change_factor=(10.0, 10.0))
+    a, b = ClusterSimulator(still, seed=4), ClusterSimulator(changing, seed=4)
+    times = np.arange(0.0, 60.0, 0.25)
+    np.testing.assert_array_equal([a.speed_multipliers(t) for t in times], [b.speed_multipliers(t) for t in times])
+    links = np.array([b.link_multipliers(t) for t in times])
+    assert set(np.round(links.ravel(), 6)) == {1.0, 0.1}  # slowed 10x, and back
+    assert np.all(np.array([a.link_multipliers(t) for t in times]) == 1.0)
+    slowed = next(t for t, row in zip(times, links) if row.min() < 1.0)
+    normal = next(t for t, row in zip(times, links) if row.min() == 1.0)
+    assert b.allreduce_time(slowed) == pytest.approx(10 * b.allreduce_time(normal), rel=1e-6)
+
+
+def test_bad_link_values_are_refused_naming_them():
+    with pytest.raises(ValueError, match=r"`link_bandwidth` must hold one finite rate > 0 .* per rank \(2\)"):
+        two_ranks(link_bandwidth=(1e9,))
+    with pytest.raises(ValueError, match=r"`link_bandwidth`.*got \(1000000000.0, 0.0\)"):
+        two_ranks(link_bandwidth=(1e9, 0.0))
+    with pytest.raises(ValueError, match=r"`link_change_factor` must be \(low, high\) with 1 <= low <= high"):
+        two_ranks(link_change_factor=(0.5, 2.0))
+    with pytest.raises(ValueError, match="link_change_rate"):
+        two_ranks(link_change_rate=-1.0)
+
+
 def test_the_speed_trajectory_depends_on_time_and_seed_only_not_on_the_decisions():
     scenario = two_ranks(drift=0.2, drift_time=1.0, slowdown_rate=0.5, slowdown_duration=2.0)
     a, b = ClusterSimulator(scenario, seed=3), ClusterSimulator(scenario, seed=3)
@@ -161,6 +202,17 @@ def test_sampled_scenarios_cover_the_space_the_policy_is_trained_on():
     assert max(bandwidths) / min(bandwidths) > 30
     assert any(s.slowdown_rate > 0 for s in scenarios)
     assert any(s.slowdown_rate == 0 for s in scenarios)
+    # hosts on slow links, where the all-reduce bounds the step, and links that slow and recover
+    slow = [s for s in scenarios if s.link_bandwidth is not None]
+    assert 20 < len(slow) < 100
+    assert max(s.allreduce_time / (min(s.compute_per_sample) * s.initial_batch_size) for s in slow) > 10
+    assert min(min(s.link_bandwidth) for s in slow) < 1e7  # below 80 Mbit/s
+    assert any(s.link_change_rate > 0 for s in scenarios)
+    assert any(s.link_change_rate == 0 and s.world_size > 1 for s in scenarios)
+    # a space without them draws the very scenarios it drew before they existed
+    plain = ScenarioSpace(slow_link_probability=0.0, link_change_probability=0.0)
+    first, again = space.sample(np.random.default_rng(1)), plain.sample(np.random.default_rng(1))
+    assert replace(first, link_bandwidth=None, link_change_rate=0.0) == again
     for s in scenarios[:20]:
         state = ClusterSimulator(s, 0).reset()
         assert state.world_size == s.world_size
