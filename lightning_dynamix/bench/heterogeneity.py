@@ -21,6 +21,8 @@ from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, parse_l
 from lightning_dynamix.bench.load import LoadChange, check_changes, parse_change
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
+from lightning_dynamix.control.allocation import split_in_proportion
+from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
 from lightning_dynamix.data.workloads import ARCHITECTURES
 
 
@@ -515,6 +517,46 @@ def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
         help="optimizer steps of each of the oracle's search runs (default 60); the best split is then trained like"
         " the controllers, as the row 'best-fixed'",
     )
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="write every run's dynamix/... metrics (CSV) to LOG_DIR/ROW-seedK/, what `dynamix report` and `dynamix"
+        " calibrate` read",
+    )
+    parser.add_argument(
+        "--oracle-global-batches",
+        type=_global_batches,
+        default=(),
+        help="comma-separated global batches (samples), each trained fixed like the controllers (rows fixed@B: the"
+        " oracle's best split, or the even one without --oracle, scaled to B; the learning rate scaled by"
+        " --lr-scaling, adascale taken as sqrt); 'best-fixed' is then the one that reached the target first",
+    )
+
+
+def _global_batches(text: str) -> tuple[int, ...]:
+    """``"256,512,1024"``: global batches of the oracle's fixed runs, whole samples >= 1, no repeats."""
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated whole numbers of samples, got {text!r}") from None
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"must be distinct global batches >= 1 sample, got {text!r}")
+    return values
+
+
+def fixed_global_batch(
+    split: tuple[int, ...], global_batch: int, lr: float, lr_scaling: str
+) -> tuple[tuple[int, ...], float]:
+    """A fixed run at ``global_batch``: ``split`` scaled to it (every rank >= 1 sample) and its learning rate.
+
+    The learning rate follows ``lr_scaling`` from the split's global batch, with ``"adascale"`` taken as
+    ``"sqrt"`` (its value while the noise scale is unknown: a fixed run does not measure it).
+    """
+    base = sum(split)
+    sizes = split_in_proportion(global_batch, split, [1] * len(split), [None] * len(split))
+    rule = "sqrt" if lr_scaling == "adascale" else lr_scaling
+    return sizes, lr * lr_scale(rule, global_batch, base)
 
 
 def _median(values: list[float]) -> float | None:
@@ -526,6 +568,10 @@ def run_tta(args: argparse.Namespace) -> None:
         raise SystemExit("--oracle searches one fixed split for fixed speeds; it cannot be combined with --schedule")
     if args.oracle_steps < 10:
         raise SystemExit(f"--oracle-steps must be >= 10 (a run's second half is measured), got {args.oracle_steps}")
+    try:
+        validate_lr_scaling(args.lr_scaling)
+    except ValueError as error:
+        raise SystemExit(f"--lr-scaling: {error}") from None
     _machine(args)
     with _contention(args):
         output = _tta_runs(args)
@@ -560,14 +606,31 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         search = dataclasses.replace(base, epochs=1000, max_steps=args.oracle_steps, val_checks_per_epoch=1)
         oracle = _oracle(args, _fixed_split_measure(search, args.oracle_steps // 2), low=1)
         best = tuple(oracle["best_split"])
-        controllers = ["best-fixed", *controllers]
+    # fixed runs: row name -> (split, learning rate)
+    fixed: dict[str, tuple[tuple[int, ...], float]] = {}
+    if best is not None and not args.oracle_global_batches:
+        fixed["best-fixed"] = (best, args.lr)
+    split = best or (args.batch_size,) * len(args.speeds)
+    for total in args.oracle_global_batches:
+        fixed[f"fixed@{total}"] = fixed_global_batch(split, total, args.lr, args.lr_scaling)
+    controllers = [*fixed, *controllers]
     results: dict[str, list[RunResult]] = {c: [] for c in controllers}
     for seed in range(args.seeds):
         for controller in controllers:  # interleaved: drift on the machine hits all alike
-            fixed = controller == "best-fixed"
-            config = dataclasses.replace(
-                base, controller="static" if fixed else controller, batch_sizes=best if fixed else None, seed=seed
-            )
+            if controller in fixed:
+                sizes, lr = fixed[controller]
+                config = dataclasses.replace(
+                    base,
+                    controller="static",
+                    batch_sizes=sizes,
+                    lr=lr,
+                    max_batch_size=max(base.max_batch_size, *sizes),
+                    seed=seed,
+                )
+            else:
+                config = dataclasses.replace(base, controller=controller, seed=seed)
+            if args.log_dir is not None:
+                config = dataclasses.replace(config, log_dir=str(args.log_dir / f"{controller}-seed{seed}"))
             result = run(config)
             if result is not None:
                 results[controller].append(result)
@@ -586,7 +649,17 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "median_train_seconds": _median([r.train_seconds for r in runs]),
             "median_throughput_to_ideal": _median([r.throughput_to_ideal for r in runs]),
         }
-    if oracle is not None:
+    best_fixed = None
+    if args.oracle_global_batches:  # the fixed global batch that reached the target first, in every run
+        reached = {c: table[c]["median_time_to_target"] for c in fixed if table[c]["median_time_to_target"] is not None}
+        best_fixed = min(reached, key=lambda c: reached[c]) if reached else None
+        if best_fixed is not None:
+            table["best-fixed"] = dict(table[best_fixed], row=best_fixed)
+            best_time = reached[best_fixed]
+            for row in table.values():
+                tta = row["median_time_to_target"]
+                row["time_to_target_of_best_fixed"] = None if tta is None else tta / best_time
+    if "best-fixed" in table:
         best_rate = table["best-fixed"]["median_samples_per_second"]
         for row in table.values():
             rate = row["median_samples_per_second"]
@@ -596,6 +669,8 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         "speeds": list(args.speeds),
         "contention": args.contention,
         "oracle": oracle,
+        "fixed_runs": {name: {"batch_sizes": list(sizes), "lr": lr} for name, (sizes, lr) in fixed.items()},
+        "best_fixed": best_fixed,
         "schedule": [list(c) for c in args.schedule],
         "load_changes": [dataclasses.asdict(c) for c in args.load_changes],
         "target_accuracy": args.target_accuracy,
@@ -622,19 +697,31 @@ def _report_tta(args: argparse.Namespace, output: dict[str, Any]) -> None:
         f" {args.epochs} epochs,"
         f" target accuracy {args.target_accuracy}, {args.seeds} seeds (medians)"
     )
-    if output["oracle"] is not None:
+    if output["best_fixed"] is not None:
+        best = output["fixed_runs"][output["best_fixed"]]
+        split = ",".join(map(str, best["batch_sizes"]))
+        print(
+            f"best-fixed: {output['best_fixed']} (split {split}, lr {best['lr']:.4g}),"
+            " the fixed global batch that reached the target first"
+        )
+    elif output["oracle"] is not None:
         print(f"best-fixed: the split {','.join(map(str, output['oracle']['best_split']))}, the oracle's best")
+    timed = output["best_fixed"] is not None
     print(
-        f"{'controller':>10}  {'time to target (s)':>18}  {'reached':>7}  {'final accuracy':>14}"
-        f"  {'training time (s)':>17}  {'samples/s':>9}  {'of best fixed':>13}  {'throughput / ideal':>18}"
+        f"{'controller':>12}  {'time to target (s)':>18}  {'reached':>7}  {'final accuracy':>14}"
+        f"  {'training time (s)':>17}  {'samples/s':>9}  {'of best fixed':>13}"
+        + (f"  {'time / best fixed':>17}" if timed else "")
+        + f"  {'throughput / ideal':>18}"
     )
     for controller, row in output["controllers"].items():
         tta = row["median_time_to_target"]
         tta_text = f"{tta:.1f}" if tta is not None else "-"
         fraction = row.get("fraction_of_best_fixed_split")
+        of_time = row.get("time_to_target_of_best_fixed")
         print(
-            f"{controller:>10}  {tta_text:>18}  {row['reached_target']:>3}/{row['runs']:<3}"
+            f"{controller:>12}  {tta_text:>18}  {row['reached_target']:>3}/{row['runs']:<3}"
             f"  {row['median_final_accuracy']:>14.3f}  {row['median_train_seconds']:>17.1f}"
             f"  {row['median_samples_per_second'] or 0:>9.0f}  {'-' if fraction is None else f'{fraction:.3f}':>13}"
-            f"  {row['median_throughput_to_ideal']:>18.3f}"
+            + (f"  {'-' if of_time is None else f'{of_time:.3f}':>17}" if timed else "")
+            + f"  {row['median_throughput_to_ideal']:>18.3f}"
         )

@@ -175,6 +175,46 @@ def test_bench_tta_with_the_oracle_trains_the_best_fixed_split_beside_the_contro
     assert all(r[0]["samples"] == 16384 for r in result["runs"].values())
 
 
+def test_bench_tta_trains_fixed_global_batches_and_times_the_controllers_against_the_first_to_the_target(tmp_path):
+    out = tmp_path / "tta.json"
+    dynamix(
+        "bench", "tta", "--controllers", "goodput", "--seeds", "1", "--epochs", "1", "--batch-size", "64",
+        "--hidden", "32", "--speeds", "1,1", "--oracle-global-batches", "64,256", "--lr-scaling", "linear", "--lr", "0.1",
+        "--target-accuracy", "0.15", "--num-samples", "4096", "--output", str(out), "--log-dir", str(tmp_path / "logs"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    # every run's metrics, for dynamix report and dynamix calibrate
+    for row, controller in (("fixed@64", "static"), ("fixed@256", "static"), ("goodput", "goodput")):
+        assert "dynamix/" in (tmp_path / "logs" / f"{row}-seed0" / controller / "metrics.csv").read_text()
+    # without --oracle, the even split scaled to each global batch, the learning rate by the rule
+    assert result["fixed_runs"] == {
+        "fixed@64": {"batch_sizes": [32, 32], "lr": pytest.approx(0.05)},
+        "fixed@256": {"batch_sizes": [128, 128], "lr": pytest.approx(0.2)},
+    }
+    for name, fixed in result["fixed_runs"].items():
+        (run,) = result["runs"][name]
+        assert run["config"]["batch_sizes"] == fixed["batch_sizes"]
+        assert run["config"]["lr"] == pytest.approx(fixed["lr"])
+        assert all(i["batch_sizes"] == fixed["batch_sizes"] for i in run["intervals"][:-1])
+    table = result["controllers"]
+    times = {name: table[name]["median_time_to_target"] for name in result["fixed_runs"]}
+    assert None not in times.values()  # a low target: every fixed run reaches it
+    best = min(times, key=lambda name: times[name])
+    assert result["best_fixed"] == best
+    assert table["best-fixed"]["row"] == best
+    assert table[best]["time_to_target_of_best_fixed"] == 1.0
+    goodput = table["goodput"]
+    if goodput["median_time_to_target"] is not None:
+        assert goodput["time_to_target_of_best_fixed"] == pytest.approx(goodput["median_time_to_target"] / times[best])
+    refused = dynamix_here("bench", "tta", "--oracle-global-batches", "256,x", cwd=tmp_path, fails=True)
+    assert "--oracle-global-batches: must be comma-separated whole numbers of samples, got '256,x'" in refused
+    refused = dynamix_here("bench", "tta", "--oracle-global-batches", "256,256", cwd=tmp_path, fails=True)
+    assert "must be distinct global batches >= 1 sample, got '256,256'" in refused
+    refused = dynamix_here("bench", "tta", "--lr-scaling", "cubic", cwd=tmp_path, fails=True)
+    assert "--lr-scaling: `lr_scaling` must be one of ['none', 'linear', 'sqrt', 'adascale'], got 'cubic'" in refused
+
+
 def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unknown_job(tmp_path):
     # 3 ranks, the training rank moving every 4 steps: a new group of training ranks at each of the first moves
     out = tmp_path / "sit.json"

@@ -401,6 +401,22 @@ def test_goodput_rebalances_after_a_rank_slows_down():
     assert 0.02 + 1e-3 * b0 == pytest.approx(0.02 + 3e-3 * b1, rel=0.1)
 
 
+def test_goodput_raises_the_global_batch_while_the_all_reduce_bounds_the_step_and_lowers_it_when_the_link_recovers():
+    controller = GoodputController()
+    kwargs = {"fixed": [0.01, 0.01], "intervals": 6, "noise_scale": 2000.0}
+    fast = simulate(controller, [64, 64], [1e-3, 1e-3], comm_time=0.005, **kwargs)
+    assert set(fast) == {(64, 64)}  # a fast link: the base batch is the best
+    # the link slows 100x: fewer, larger steps, each rank's size still its share of the exact global batch
+    slow = simulate(controller, fast[-1], [1e-3, 1e-3], comm_time=0.5, **kwargs)
+    assert sum(slow[-1]) >= 4 * 128
+    assert abs(slow[-1][0] - slow[-1][1]) <= 0.02 * sum(slow[-1])
+    decision = controller.decide(make_state(slow[-1], [0.01 + 1e-3 * b for b in slow[-1]], noise_scale=2000.0,
+                                            comm_time=0.5))  # fmt: skip
+    assert decision.lr_scale == pytest.approx(lr_scale("adascale", decision.global_batch, 128, 2000.0))
+    recovered = simulate(controller, slow[-1], [1e-3, 1e-3], comm_time=0.005, **kwargs)
+    assert sum(recovered[-1]) <= 2 * 128
+
+
 def test_goodput_respects_global_and_per_rank_limits():
     controller = GoodputController(max_global_batch=300, max_batch_size=200)
     decision = controller.decide(make_state([64, 64], [0.192, 0.064], noise_scale=1e9, comm_time=0.05))

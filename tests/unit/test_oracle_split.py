@@ -79,3 +79,14 @@ def test_a_coarser_finest_step_stops_earlier_with_fewer_measurements():
     best, _, _ = find_best_fixed_split(coarse, 256, 2, finest=8)
     assert len(coarse.calls) < len(fine.calls)
     assert abs(best[0] - 64) <= 8
+
+
+def test_a_fixed_global_batch_scales_the_split_and_the_learning_rate_by_the_rule():
+    from lightning_dynamix.bench.heterogeneity import fixed_global_batch
+
+    assert fixed_global_batch((96, 32), 512, 0.1, "linear") == ((384, 128), pytest.approx(0.4))
+    assert fixed_global_batch((96, 32), 512, 0.1, "sqrt") == ((384, 128), pytest.approx(0.2))
+    # a fixed run measures no noise scale: adascale is its fallback, sqrt
+    assert fixed_global_batch((96, 32), 512, 0.1, "adascale") == ((384, 128), pytest.approx(0.2))
+    assert fixed_global_batch((96, 32), 128, 0.1, "none") == ((96, 32), 0.1)
+    assert fixed_global_batch((127, 1), 16, 0.1, "none")[0] == (15, 1)  # every rank keeps a sample
