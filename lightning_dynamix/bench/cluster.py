@@ -1,5 +1,6 @@
-"""torch elastic on one machine: torchrun agents on 127.0.0.1 as nodes that can be preempted and added; and the
-environments every bench gives the processes it launches (:func:`job_environment`, :func:`node_environment`).
+"""torch elastic on one machine: torchrun agents as nodes that can be preempted and added, on 127.0.0.1 or each
+on a host of its own (:class:`~lightning_dynamix.bench.hosts.Hosts`); and the environments every bench gives the
+processes it launches (:func:`job_environment`, :func:`node_environment`).
 
 ``dynamix bench elastic`` and the elastic tests run their jobs on it.
 """
@@ -13,8 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from lightning_dynamix.bench.hosts import Hosts
 
 STORE = """
 import sys, time
@@ -64,6 +69,13 @@ class LocalElasticCluster:
         max_restarts: torchrun's ``--max-restarts``, for every agent.
         env: environment variables for every agent and worker, on top of this process's.
         run_id: the rendezvous id; a finished job closes it, so give each job its own.
+        hosts: run every node on a host of its own (in the order nodes are first added, host 0 first) and the
+            store on the last host, which no node uses: a rendezvous server on a machine of its own. The agents
+            meet at that host's address, each advertises its own (``--local-addr``), and gloo uses the hosts'
+            interface. ``None``: everything on 127.0.0.1.
+
+    Raises:
+        ValueError: for a node more than ``hosts`` has hosts for (one is kept for the store).
     """
 
     def __init__(
@@ -74,8 +86,11 @@ class LocalElasticCluster:
         max_restarts: int = 8,
         env: dict[str, str] | None = None,
         run_id: str = "dynamix",
+        hosts: Hosts | None = None,
     ) -> None:
         self.command, self.out = [str(a) for a in command], Path(out)
+        self.hosts = hosts
+        self.host_of: dict[str, int] = {}
         self.nnodes, self.max_restarts, self.run_id = nnodes, max_restarts, run_id
         self.env = job_environment(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **(env or {}))
         self.nodes: dict[str, subprocess.Popen] = {}
@@ -86,9 +101,12 @@ class LocalElasticCluster:
 
     def __enter__(self) -> LocalElasticCluster:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.store = subprocess.Popen(
-            [sys.executable, "-c", STORE], stdout=subprocess.PIPE, text=True, env=self.env, start_new_session=True
-        )
+        command = [sys.executable, "-c", STORE]
+        kwargs: dict[str, Any] = {"stdout": subprocess.PIPE, "text": True, "env": self.env, "start_new_session": True}
+        if self.hosts is None:
+            self.store = subprocess.Popen(command, **kwargs)
+        else:
+            self.store = self.hosts.popen(self._store_host, command, **kwargs)
         assert self.store.stdout is not None
         self.port = int(self.store.stdout.readline())
         return self
@@ -99,26 +117,46 @@ class LocalElasticCluster:
     def add_node(self, name: str) -> subprocess.Popen:
         """Start an agent (a node) named ``name``, which is also its DYNAMIX_MACHINE_ID.
 
-        It logs to ``<out>/<name>.log``; a name used before (the machine back) logs to ``<name>.<n>.log``.
+        It logs to ``<out>/<name>.log``; a name used before (the machine back) logs to ``<name>.<n>.log``, and
+        on hosts runs on the host it had.
         """
+        store, local = "127.0.0.1", "127.0.0.1"
+        env = dict(self.env, DYNAMIX_MACHINE_ID=name)
+        if self.hosts is not None:
+            if name not in self.host_of:
+                if len(self.host_of) >= self._store_host:
+                    raise ValueError(
+                        f"node {name!r} has no host: {len(self.hosts.rates)} hosts hold {self._store_host} nodes and"
+                        " the store"
+                    )
+                self.host_of[name] = len(self.host_of)
+            store, local = self.hosts.address(self._store_host), self.hosts.address(self.host_of[name])
+            env.update(self.hosts.env(self.host_of[name]))
+            del env["MASTER_ADDR"], env["MASTER_PORT"]  # the rendezvous tells each worker its master
         command = [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", str(self.max_restarts),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{store}:{self.port}", "--rdzv-id", self.run_id,
             "--rdzv-conf", "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
             "join_timeout=120",
-            "--local-addr", "127.0.0.1", "--monitor-interval", "0.5",
+            "--local-addr", local, "--monitor-interval", "0.5",
             *self.command,
         ]  # fmt: skip
         if name in self.nodes:
             self.retired.append((self.log_path(name), self.nodes[name]))
         self.starts[name] = self.starts.get(name, 0) + 1
-        env = dict(self.env, DYNAMIX_MACHINE_ID=name)
         with open(self.log_path(name), "w") as log:
-            self.nodes[name] = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            kwargs: dict[str, Any] = {"stdout": log, "stderr": subprocess.STDOUT, "env": env, "start_new_session": True}
+            if self.hosts is None:
+                self.nodes[name] = subprocess.Popen(command, **kwargs)
+            else:  # nsenter enters the namespace and becomes the agent: the same process
+                self.nodes[name] = self.hosts.popen(self.host_of[name], command, **kwargs)
         return self.nodes[name]
+
+    @property
+    def _store_host(self) -> int:
+        assert self.hosts is not None
+        return len(self.hosts.rates) - 1
 
     def processes(self, name: str) -> list[psutil.Process]:
         """The node's agent and its workers (torch elastic starts each worker in a session of its own)."""

@@ -24,6 +24,7 @@ events (see :mod:`lightning_dynamix.bench.elastic_worker`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -34,6 +35,7 @@ from typing import Any
 
 from lightning_dynamix.bench.cluster import LocalElasticCluster
 from lightning_dynamix.bench.experiments import floats
+from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
 
 SCENARIOS = {  # key on the command line: (name in the results, what the worker does on a change of nodes)
@@ -82,6 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, weights and order (default 0)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the jobs' logs and timelines here")
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument(
+        "--links",
+        default=None,
+        help="put each node on a host of its own (network namespaces, root) with this link rate, Mbit/s, one a node"
+        " (0 or -: no limit), e.g. 1000,1000,50; the rendezvous store on a host of its own (default: loopback)",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -94,6 +102,12 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("rounds", "epochs", "num_samples", "batch_size", "val_checks", "interval"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.links is not None:
+        try:
+            args.links = parse_links(args.links, len(args.speeds))
+            check_hosts()
+        except (ValueError, HostsUnavailable) as error:
+            raise SystemExit(f"dynamix bench elastic: {error}") from None
 
 
 def _timeline(out: Path) -> list[dict[str, Any]]:
@@ -140,7 +154,9 @@ def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: 
     events: dict[str, float] = {}
     nnodes = f"{len(names) - 1}:{len(names)}"
     command = ["-m", "lightning_dynamix.bench.elastic_worker", str(out)]
-    with LocalElasticCluster(command, out, nnodes=nnodes, run_id=run_id) as cluster:
+    with contextlib.ExitStack() as stack:
+        hosts = None if args.links is None else stack.enter_context(Hosts([*args.links, None]))  # the store's host
+        cluster = stack.enter_context(LocalElasticCluster(command, out, nnodes=nnodes, run_id=run_id, hosts=hosts))
         for name in names:
             cluster.add_node(name)
         if mode is not None:
@@ -234,7 +250,15 @@ def _print_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namesp
         return "-" if value is None else f"{value:.{digits}f}"
 
     speeds = ":".join(f"{s:g}" for s in args.speeds)
-    print(f"\nspeeds {speeds}, {args.epochs} epochs, target accuracy {args.target}; medians of {args.rounds} round(s)")
+    links = (
+        ""
+        if args.links is None
+        else " hosts on links of " + ",".join("-" if r is None else f"{r:g}" for r in args.links) + " Mbit/s,"
+    )
+    print(
+        f"\nspeeds {speeds},{links} {args.epochs} epochs, target accuracy {args.target};"
+        f" medians of {args.rounds} round(s)"
+    )
     print(
         "| scenario | steps lost | notice -> training (s) | notice -> back at its step (s) |"
         " node back -> training on all (s) | time to target (s) | time to end (s) | final accuracy |"

@@ -46,7 +46,7 @@ class Timeline(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.write(trainer, "start")
+        self.write(trainer, "start", master=os.environ.get("MASTER_ADDR"))  # where the launch's ranks met
 
     @override
     def on_train_batch_end(

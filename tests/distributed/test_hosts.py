@@ -5,6 +5,7 @@ Needs root and iproute2; elsewhere every test here skips, saying what is missing
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -137,6 +138,25 @@ def test_two_hosts_on_their_own_links_train_like_one_process(hosts_available, tm
     for rank in ranks:
         worst = max((rank["params"][k] - expected[k]).abs().max().item() for k in expected)
         assert worst <= 1e-6, f"max abs difference {worst}"
+
+
+def test_torch_elastic_nodes_on_hosts_lose_one_and_take_it_back(hosts_available, tmp_path):
+    from lightning_dynamix.bench import elastic
+    from lightning_dynamix.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["bench", "elastic", "--links", "20,20,20", "--epochs", "4", "--preempt-at", "1", "--back-at", "1.5",
+         "--hidden", "256", "--num-samples", "8192", "--batch-size", "64"]
+    )  # fmt: skip
+    elastic._check(args)
+    assert args.links == [20.0, 20.0, 20.0]  # every link slow: the survivors train on while the node starts again
+    result = elastic.run_scenario(args, "preemption", tmp_path, f"hosts-{time.time_ns()}")
+    assert [world for world, _ in result["launches"]] == [3, 2, 3]
+    assert result["steps_lost"] == 0
+    starts = [json.loads(line) for line in (tmp_path / "timeline").read_text().splitlines()]
+    masters = {event["master"] for event in starts if event["event"] == "start"}
+    assert masters and all(master.startswith("198.18.0.") for master in masters)  # not 127.0.0.1
+    assert leftovers() == []
 
 
 @pytest.mark.parametrize(
