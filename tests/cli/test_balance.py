@@ -179,8 +179,9 @@ def test_bench_tta_trains_fixed_global_batches_and_times_the_controllers_against
     out = tmp_path / "tta.json"
     dynamix(
         "bench", "tta", "--controllers", "goodput", "--seeds", "1", "--epochs", "1", "--batch-size", "64",
-        "--hidden", "32", "--speeds", "1,1", "--oracle-global-batches", "64,256", "--lr-scaling", "linear", "--lr", "0.1",
-        "--target-accuracy", "0.15", "--num-samples", "4096", "--output", str(out), "--log-dir", str(tmp_path / "logs"),
+        "--hidden", "32", "--speeds", "1,1", "--oracle-global-batches", "64,256", "--lr-scaling", "linear",
+        "--lr", "0.1", "--target-accuracy", "0.15", "--num-samples", "4096", "--output", str(out),
+        "--log-dir", str(tmp_path / "logs"),
         cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
