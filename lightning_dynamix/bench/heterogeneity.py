@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -156,6 +157,42 @@ def add_balance_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs per controller, in turn with (under --oracle) a fresh run of the best fixed split, each round"
         " starting one further along (default 1)",
     )
+    parser.add_argument(
+        "--fixed-splits",
+        type=_splits,
+        default=(),
+        help="fixed splits of the global batch to run like the controllers, e.g. '128,128;171,85' (rows 'fixed"
+        " A,B'); with a --schedule each phase between its changes is then judged against the best of them in that"
+        " phase",
+    )
+
+
+def _splits(text: str) -> tuple[tuple[int, ...], ...]:
+    """``"128,128;171,85"``: fixed splits, each of whole samples >= 1 per rank."""
+    splits = []
+    for part in text.split(";"):
+        try:
+            split = tuple(int(v) for v in part.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"each split must be whole samples per rank, got {part!r} in {text!r}"
+            ) from None
+        if any(v < 1 for v in split):
+            raise argparse.ArgumentTypeError(f"each rank needs >= 1 sample, got {part!r} in {text!r}")
+        splits.append(split)
+    return tuple(splits)
+
+
+def phase_bounds(changes: list[int], steps: int) -> list[tuple[int, int]]:
+    """The run's phases between the steps its load changes at: ``[(0, c1), (c1, c2), ..., (ck, steps)]``."""
+    edges = [0, *sorted({c for c in changes if 0 < c < steps}), steps]
+    return list(itertools.pairwise(edges))
+
+
+def phase_samples_per_second(result: RunResult, start: int, end: int, interval: int) -> float:
+    """Median samples/s over the run's intervals wholly inside the phase ``(start, end]`` (steps)."""
+    values = [i["throughput"] for i in result.intervals if i["step"] - interval >= start and i["step"] <= end]
+    return statistics.median(values) if values else float("nan")
 
 
 def samples_per_second(result: RunResult, after_step: int) -> float:
@@ -231,14 +268,21 @@ def size_spread(result: RunResult, after_step: int) -> list[dict[str, float]] | 
     return spread
 
 
-def settling_intervals(result: RunResult, change_step: int, tolerance: float = 0.1) -> int | None:
-    """Decisions after ``change_step`` until the sizes stay within ``tolerance`` of the run's final ones.
+def settling_intervals(
+    result: RunResult, change_step: int, tolerance: float = 0.1, until_step: int | None = None
+) -> int | None:
+    """Decisions after ``change_step`` until the sizes stay within ``tolerance`` of the run's final ones
+    (of the last decision up to ``until_step``, the next change, where given).
 
     Counts the decisions taken after the change up to and including the first one from which
     every later decision is within ``tolerance`` (relative, per rank) of the last decision;
     ``None`` when there were no decisions after the change.
     """
-    after = [i["next_batch_sizes"] for i in result.intervals if i["step"] > change_step and i["next_batch_sizes"]]
+    after = [
+        i["next_batch_sizes"]
+        for i in result.intervals
+        if i["step"] > change_step and i["next_batch_sizes"] and (until_step is None or i["step"] <= until_step)
+    ]
     if not after:
         return None
     final = after[-1]
@@ -356,6 +400,13 @@ def run_balance(args: argparse.Namespace) -> None:
         raise SystemExit(f"--min-batch-size must be >= 0 (0: a rank may sit out), got {args.min_batch_size}")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    total = args.batch_size * len(args.speeds)
+    for split in args.fixed_splits:
+        if len(split) != len(args.speeds) or sum(split) != total:
+            raise SystemExit(
+                f"--fixed-splits: {','.join(map(str, split))} must give each of the {len(args.speeds)} ranks a size,"
+                f" summing to the global batch {total} (--batch-size x ranks)"
+            )
     _machine(args)
     with _contention(args):
         summary = _balance_runs(args)
@@ -395,14 +446,19 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
     # runs of that split, in turn with theirs, so drift on the machine hits both alike; each round starts
     # one further along the list, so that none always runs first or last
     best = tuple(oracle["best_split"]) if oracle is not None else None
-    turns: list[str | None] = [None, *controllers] if best is not None else list(controllers)
+    fixed = {f"fixed {','.join(map(str, split))}": split for split in args.fixed_splits}
+    runs.update({name: [] for name in fixed})
+    turns: list[str | None] = [*([None] if best is not None else []), *fixed, *controllers]
     for k in range(args.rounds):
         for controller in turns[k % len(turns) :] + turns[: k % len(turns)]:
             if controller is None:
                 assert best is not None
                 fixed_rates.append(measure(best))
                 continue
-            result = run(dataclasses.replace(config, controller=controller))
+            if controller in fixed:
+                result = run(dataclasses.replace(config, controller="static", batch_sizes=fixed[controller]))
+            else:
+                result = run(dataclasses.replace(config, controller=controller))
             if result is not None:
                 runs[controller].append(result)
     if not is_launcher_rank_zero():
@@ -429,6 +485,28 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "settling_intervals": settling,
             "throughput_to_ideal_after_settling": _after_settling(results[0], change, args.interval, settling),
         }
+    changes = [entry[0] for entry in args.schedule] + [change.step for change in args.load_changes]
+    phases = phase_bounds(changes, args.steps) if changes else []
+    for controller, results in runs.items():  # each phase between the load's changes on its own
+        table[controller]["phases"] = [
+            {
+                "from_step": start,
+                "to_step": end,
+                "samples_per_second": statistics.median(
+                    phase_samples_per_second(r, start, end, args.interval) for r in results
+                ),
+                # decisions after the phase's change until the first round's sizes settled for the phase
+                "settling_decisions": settling_intervals(results[0], start, until_step=end)
+                if start > 0 and controller not in fixed
+                else None,
+            }
+            for start, end in phases
+        ]
+    for k, _ in enumerate(phases):  # against the best fixed split of each phase
+        best_rate = max((table[name]["phases"][k]["samples_per_second"] for name in fixed), default=None)
+        for row in table.values():
+            phase = row["phases"][k]
+            phase["fraction_of_best_fixed_split"] = None if not best_rate else phase["samples_per_second"] / best_rate
     if args.plot is not None:
         plot_runs({c: results[0] for c, results in runs.items()}, args.plot, title=f"speeds {list(args.speeds)}")
     return {
@@ -490,6 +568,13 @@ def _report_balance(args: argparse.Namespace, summary: dict[str, Any]) -> None:
                 f"{'':>10}  after the change at step {_first_change(args)}: settled in"
                 f" {row['settling_intervals']} decision(s); throughput / ideal after settling"
                 f" {_or_dash(row['throughput_to_ideal_after_settling'])}"
+            )
+        for phase in row.get("phases", []):
+            settled = phase["settling_decisions"]
+            print(
+                f"{'':>10}  steps {phase['from_step']}-{phase['to_step']}: {phase['samples_per_second']:.0f} samples/s"
+                f" ({_or_dash(phase['fraction_of_best_fixed_split'])} of the phase's best fixed split)"
+                + ("" if settled is None else f", settled in {settled} decision(s)")
             )
 
 

@@ -44,9 +44,28 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     out = tmp_path / "balance.json"
     dynamix(
         "bench", "balance", "--speeds", "1,1", "--schedule", "10:1:3", "--steps", "40", "--batch-size", "32",
-        "--interval", "5", "--output", str(out), cwd=tmp_path,
+        "--interval", "5", "--fixed-splits", "32,32;48,16", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
+    # each phase between the changes, every row against the best of the fixed splits in that phase
+    table = result["controllers"]
+    for name, split in (("fixed 32,32", [32, 32]), ("fixed 48,16", [48, 16])):
+        (fixed,) = result["runs"][name]
+        assert all(i["batch_sizes"] == split for i in fixed)
+    for k, (start, end) in enumerate([(0, 10), (10, 40)]):
+        best = max(table[name]["phases"][k]["samples_per_second"] for name in ("fixed 32,32", "fixed 48,16"))
+        for name, row in table.items():
+            phase = row["phases"][k]
+            assert (phase["from_step"], phase["to_step"]) == (start, end)
+            inside = [i["throughput"] for i in result["runs"][name][0] if i["step"] - 5 >= start and i["step"] <= end]
+            assert phase["samples_per_second"] == statistics.median(inside)
+            assert phase["fraction_of_best_fixed_split"] == pytest.approx(phase["samples_per_second"] / best)
+    assert table["pid"]["phases"][1]["settling_decisions"] >= 1
+    assert table["fixed 48,16"]["phases"][1]["settling_decisions"] is None
+    refused = dynamix_here(
+        "bench", "balance", "--fixed-splits", "32,31", "--batch-size", "32", cwd=tmp_path, fails=True
+    )
+    assert "--fixed-splits: 32,31 must give each of the 2 ranks a size, summing to the global batch 64" in refused
     (intervals,) = result["runs"]["pid"]
     assert [i["step"] for i in intervals] == [10, 15, 20, 25, 30, 35, 40]
     pid = result["controllers"]["pid"]
