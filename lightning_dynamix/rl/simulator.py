@@ -367,67 +367,70 @@ class ScenarioSpace:
         )
 
 
-class _SpeedTrajectory:
-    """Every rank's speed multiplier as a function of wall-clock time, drawn on a fixed time grid.
+class _Trajectory:
+    """Per-rank multipliers as a function of wall-clock time, drawn on a fixed time grid from a random stream of
+    their own (``stream``), so they depend on the scenario, the seed and the time only, never on the decisions."""
 
-    Its own random stream (and a grid in seconds) makes the trajectory independent of the decisions.
-    """
-
-    def __init__(self, scenario: Scenario, seed: int, grid: float) -> None:
+    def __init__(self, scenario: Scenario, seed: int, grid: float, stream: int) -> None:
         self.scenario = scenario
         self.grid = grid
-        self.rng = np.random.default_rng([seed, 1])
-        n = scenario.world_size
-        self.log_drift = np.zeros(n)
-        self.slow_factor = np.ones(n)
-        self.values: list[np.ndarray] = []
-
-    def at(self, t: float) -> np.ndarray:
-        index = int(t // self.grid)
-        while len(self.values) <= index:
-            self._extend()
-        return self.values[index]
-
-    def _extend(self) -> None:
-        s, n, dt = self.scenario, self.scenario.world_size, self.grid
-        if s.drift > 0:  # Ornstein-Uhlenbeck: stationary std s.drift, correlation time s.drift_time
-            a = math.exp(-dt / s.drift_time)
-            self.log_drift = a * self.log_drift + s.drift * math.sqrt(1 - a * a) * self.rng.standard_normal(n)
-        if s.slowdown_rate > 0:
-            start = (self.slow_factor == 1.0) & (self.rng.random(n) < 1 - math.exp(-s.slowdown_rate * dt))
-            end = (self.slow_factor > 1.0) & (self.rng.random(n) < 1 - math.exp(-dt / s.slowdown_duration))
-            self.slow_factor = np.where(end, 1.0, self.slow_factor)
-            self.slow_factor = np.where(start, self.rng.uniform(*s.slowdown_factor, n), self.slow_factor)
-        self.values.append(np.exp(self.log_drift) / self.slow_factor)
-
-
-class _LinkTrajectory:
-    """Every rank's link rate multiplier as a function of wall-clock time, on the speeds' time grid.
-
-    Its own random stream: adding links to a scenario leaves its speed trajectory as it was.
-    """
-
-    def __init__(self, scenario: Scenario, seed: int, grid: float) -> None:
-        self.scenario = scenario
-        self.grid = grid
-        self.rng = np.random.default_rng([seed, 3])
+        self.rng = np.random.default_rng([seed, stream])
         self.slow_factor = np.ones(scenario.world_size)
         self.values: list[np.ndarray] = []
 
     def at(self, t: float) -> np.ndarray:
         index = int(t // self.grid)
         while len(self.values) <= index:
-            self._extend()
+            self.values.append(self._next())
         return self.values[index]
 
-    def _extend(self) -> None:
+    def _next(self) -> np.ndarray:
+        raise NotImplementedError
+
+    def _episodes(self, rate: float, duration: float, factor: tuple[float, float]) -> None:
+        """Episodes that divide a rank's multiplier by a factor drawn in ``factor``: each starts at ``rate`` per
+        second and lasts ``duration`` seconds on average."""
+        n, dt = self.scenario.world_size, self.grid
+        start = (self.slow_factor == 1.0) & (self.rng.random(n) < 1 - math.exp(-rate * dt))
+        end = (self.slow_factor > 1.0) & (self.rng.random(n) < 1 - math.exp(-dt / duration))
+        self.slow_factor = np.where(end, 1.0, self.slow_factor)
+        self.slow_factor = np.where(start, self.rng.uniform(*factor, n), self.slow_factor)
+
+
+class _SpeedTrajectory(_Trajectory):
+    """Every rank's speed multiplier as a function of wall-clock time, drawn on a fixed time grid.
+
+    Its own random stream (and a grid in seconds) makes the trajectory independent of the decisions.
+    """
+
+    def __init__(self, scenario: Scenario, seed: int, grid: float) -> None:
+        super().__init__(scenario, seed, grid, stream=1)
+        self.log_drift = np.zeros(scenario.world_size)
+
+    def _next(self) -> np.ndarray:
         s, n, dt = self.scenario, self.scenario.world_size, self.grid
+        if s.drift > 0:  # Ornstein-Uhlenbeck: stationary std s.drift, correlation time s.drift_time
+            a = math.exp(-dt / s.drift_time)
+            self.log_drift = a * self.log_drift + s.drift * math.sqrt(1 - a * a) * self.rng.standard_normal(n)
+        if s.slowdown_rate > 0:
+            self._episodes(s.slowdown_rate, s.slowdown_duration, s.slowdown_factor)
+        return np.exp(self.log_drift) / self.slow_factor
+
+
+class _LinkTrajectory(_Trajectory):
+    """Every rank's link rate multiplier as a function of wall-clock time, on the speeds' time grid.
+
+    Its own random stream: adding links to a scenario leaves its speed trajectory as it was.
+    """
+
+    def __init__(self, scenario: Scenario, seed: int, grid: float) -> None:
+        super().__init__(scenario, seed, grid, stream=3)
+
+    def _next(self) -> np.ndarray:
+        s = self.scenario
         if s.link_change_rate > 0:
-            start = (self.slow_factor == 1.0) & (self.rng.random(n) < 1 - math.exp(-s.link_change_rate * dt))
-            end = (self.slow_factor > 1.0) & (self.rng.random(n) < 1 - math.exp(-dt / s.link_change_duration))
-            self.slow_factor = np.where(end, 1.0, self.slow_factor)
-            self.slow_factor = np.where(start, self.rng.uniform(*s.link_change_factor, n), self.slow_factor)
-        self.values.append(1.0 / self.slow_factor)
+            self._episodes(s.link_change_rate, s.link_change_duration, s.link_change_factor)
+        return 1.0 / self.slow_factor
 
 
 @dataclass(frozen=True)
