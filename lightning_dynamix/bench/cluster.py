@@ -101,12 +101,13 @@ class LocalElasticCluster:
 
     def __enter__(self) -> LocalElasticCluster:
         self.out.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-c", STORE]
-        kwargs: dict[str, Any] = {"stdout": subprocess.PIPE, "text": True, "env": self.env, "start_new_session": True}
-        if self.hosts is None:
-            self.store = subprocess.Popen(command, **kwargs)
-        else:
-            self.store = self.hosts.popen(self._store_host, command, **kwargs)
+        self.store = self._popen(
+            None if self.hosts is None else self._store_host,
+            [sys.executable, "-c", STORE],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=self.env,
+        )
         assert self.store.stdout is not None
         self.port = int(self.store.stdout.readline())
         return self
@@ -146,12 +147,17 @@ class LocalElasticCluster:
             self.retired.append((self.log_path(name), self.nodes[name]))
         self.starts[name] = self.starts.get(name, 0) + 1
         with open(self.log_path(name), "w") as log:
-            kwargs: dict[str, Any] = {"stdout": log, "stderr": subprocess.STDOUT, "env": env, "start_new_session": True}
-            if self.hosts is None:
-                self.nodes[name] = subprocess.Popen(command, **kwargs)
-            else:  # nsenter enters the namespace and becomes the agent: the same process
-                self.nodes[name] = self.hosts.popen(self.host_of[name], command, **kwargs)
+            host = self.host_of.get(name)
+            self.nodes[name] = self._popen(host, command, stdout=log, stderr=subprocess.STDOUT, env=env)
         return self.nodes[name]
+
+    def _popen(self, host: int | None, command: list[str], **kwargs: Any) -> subprocess.Popen:
+        """``command`` in a session of its own, on ``host`` (``None``: this machine's network). On a host, nsenter
+        enters the namespace and becomes the command: the same process, which :meth:`preempt` signals."""
+        if host is None:
+            return subprocess.Popen(command, start_new_session=True, **kwargs)
+        assert self.hosts is not None
+        return self.hosts.popen(host, command, start_new_session=True, **kwargs)
 
     @property
     def _store_host(self) -> int:

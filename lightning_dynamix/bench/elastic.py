@@ -35,7 +35,7 @@ from typing import Any
 
 from lightning_dynamix.bench.cluster import LocalElasticCluster
 from lightning_dynamix.bench.experiments import floats
-from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, parse_links
+from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
 
 SCENARIOS = {  # key on the command line: (name in the results, what the worker does on a change of nodes)
@@ -250,11 +250,7 @@ def _print_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namesp
         return "-" if value is None else f"{value:.{digits}f}"
 
     speeds = ":".join(f"{s:g}" for s in args.speeds)
-    links = (
-        ""
-        if args.links is None
-        else " hosts on links of " + ",".join("-" if r is None else f"{r:g}" for r in args.links) + " Mbit/s,"
-    )
+    links = "" if args.links is None else f" {describe_links(args.links)},"
     print(
         f"\nspeeds {speeds},{links} {args.epochs} epochs, target accuracy {args.target};"
         f" medians of {args.rounds} round(s)"

@@ -18,7 +18,7 @@ from typing import Any
 
 from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
-from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, parse_links
+from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.load import LoadChange, check_changes, parse_change
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
@@ -313,18 +313,19 @@ def _ratio_after(result: RunResult, step: int) -> float:
     return statistics.median(ratios) if ratios else float("nan")
 
 
+def _change_steps(args: argparse.Namespace) -> list[int]:
+    """The steps of the schedule's changes, the emulator's and the machine's."""
+    return [entry[0] for entry in args.schedule] + [change.step for change in args.load_changes]
+
+
 def _first_change(args: argparse.Namespace) -> int | None:
-    """The step of the schedule's first change (the emulator's or the machine's), ``None`` without one."""
-    steps = [entry[0] for entry in args.schedule] + [change.step for change in args.load_changes]
-    return min(steps) if steps else None
+    """The step of the schedule's first change, ``None`` without one."""
+    return min(_change_steps(args), default=None)
 
 
 def _links(args: argparse.Namespace) -> str:
     """`` hosts on links of R,R Mbit/s,`` for a header, where ``--links`` put the ranks on hosts."""
-    if args.links is None:
-        return ""
-    rates = ",".join("-" if rate is None else f"{rate:g}" for rate in args.links)
-    return f" hosts on links of {rates} Mbit/s,"
+    return "" if args.links is None else f" {describe_links(args.links)},"
 
 
 def _machine(args: argparse.Namespace) -> None:
@@ -485,7 +486,7 @@ def _balance_runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "settling_intervals": settling,
             "throughput_to_ideal_after_settling": _after_settling(results[0], change, args.interval, settling),
         }
-    changes = [entry[0] for entry in args.schedule] + [change.step for change in args.load_changes]
+    changes = _change_steps(args)
     phases = phase_bounds(changes, args.steps) if changes else []
     for controller, results in runs.items():  # each phase between the load's changes on its own
         table[controller]["phases"] = [

@@ -114,6 +114,11 @@ def parse_links(text: str, hosts: int | None = None) -> list[float | None]:
     return rates
 
 
+def describe_links(rates: Sequence[float | None]) -> str:
+    """``hosts on links of -,-,50 Mbit/s``: the hosts' link rates for a bench's header (``-``: no limit)."""
+    return "hosts on links of " + ",".join("-" if rate is None else f"{rate:g}" for rate in rates) + " Mbit/s"
+
+
 class Hosts:
     """Hosts in network namespaces of their own, joined through a bridge, each link at its own rate.
 

@@ -43,6 +43,7 @@ and a noisy loss.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -169,12 +170,7 @@ class Scenario:
             require_number(name, getattr(self, name), 0.0)
         require_number("drift_time", self.drift_time, 0.0, low_open=True)
         require_number("slowdown_duration", self.slowdown_duration, 0.0, low_open=True)
-        low, high = self.slowdown_factor
-        if not (1.0 <= low <= high):
-            raise ValueError(
-                f"`slowdown_factor` must be (low, high) with 1 <= low <= high, got {self.slowdown_factor!r}"
-            )
-        object.__setattr__(self, "slowdown_factor", (float(low), float(high)))
+        self._require_factor_range("slowdown_factor")
         if self.link_bandwidth is not None:
             links = tuple(float(v) for v in self.link_bandwidth)
             if len(links) != n or any(not (math.isfinite(v) and v > 0) for v in links):
@@ -185,12 +181,14 @@ class Scenario:
             object.__setattr__(self, "link_bandwidth", links)
         require_number("link_change_rate", self.link_change_rate, 0.0)
         require_number("link_change_duration", self.link_change_duration, 0.0, low_open=True)
-        low, high = self.link_change_factor
+        self._require_factor_range("link_change_factor")
+
+    def _require_factor_range(self, name: str) -> None:
+        """Check the ``(low, high)`` range of slowdown factors named ``name`` and store it as floats."""
+        low, high = getattr(self, name)
         if not (1.0 <= low <= high):
-            raise ValueError(
-                f"`link_change_factor` must be (low, high) with 1 <= low <= high, got {self.link_change_factor!r}"
-            )
-        object.__setattr__(self, "link_change_factor", (float(low), float(high)))
+            raise ValueError(f"`{name}` must be (low, high) with 1 <= low <= high, got {getattr(self, name)!r}")
+        object.__setattr__(self, name, (float(low), float(high)))
 
     @property
     def allreduce_time(self) -> float:
@@ -367,7 +365,7 @@ class ScenarioSpace:
         )
 
 
-class _Trajectory:
+class _Trajectory(abc.ABC):
     """Per-rank multipliers as a function of wall-clock time, drawn on a fixed time grid from a random stream of
     their own (``stream``), so they depend on the scenario, the seed and the time only, never on the decisions."""
 
@@ -384,8 +382,9 @@ class _Trajectory:
             self.values.append(self._next())
         return self.values[index]
 
+    @abc.abstractmethod
     def _next(self) -> np.ndarray:
-        raise NotImplementedError
+        """The multipliers of the next grid cell."""
 
     def _episodes(self, rate: float, duration: float, factor: tuple[float, float]) -> None:
         """Episodes that divide a rank's multiplier by a factor drawn in ``factor``: each starts at ``rate`` per

@@ -60,7 +60,12 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
             inside = [i["throughput"] for i in result["runs"][name][0] if i["step"] - 5 >= start and i["step"] <= end]
             assert phase["samples_per_second"] == statistics.median(inside)
             assert phase["fraction_of_best_fixed_split"] == pytest.approx(phase["samples_per_second"] / best)
-    assert table["pid"]["phases"][1]["settling_decisions"] >= 1
+    # settled: the decisions after the change, up to the first from which every later one stays within 10% of
+    # the phase's last decision
+    decided = [i["next_batch_sizes"] for i in result["runs"]["pid"][0] if 10 < i["step"] <= 40]
+    within = [all(abs(b - f) <= 0.1 * f for b, f in zip(sizes, decided[-1])) for sizes in decided]
+    unsettled = max((k + 1 for k, ok in enumerate(within) if not ok), default=0)
+    assert table["pid"]["phases"][1]["settling_decisions"] == unsettled + 1
     assert table["fixed 48,16"]["phases"][1]["settling_decisions"] is None
     refused = dynamix_here(
         "bench", "balance", "--fixed-splits", "32,31", "--batch-size", "32", cwd=tmp_path, fails=True
