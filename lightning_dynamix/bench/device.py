@@ -15,7 +15,8 @@ is one table (and JSON), each row also printed and written as its check ends:
 * ``timing 1:3``: one rank under ``HeterogeneityEmulator`` at factor 1, then 3, its compute per step as the
   step clock measures it (CUDA events on a GPU) and, in a run beside it, as ``perf_counter`` measures it:
   the ratio of the two factors for each clock. Passes where the step clock's ratio is within 10% of 3. On a
-  GPU the row also times the emulator's spin kernel against the seconds it was asked for.
+  GPU the row also times the emulator's spin kernel against the seconds it was asked for, and the step is
+  8192 samples (``TIMING_BATCH``): bound by the device's work, not by the host launching kernels.
 * ``pid 1:3``: two ranks, one three times slower, ``DynamixCallback("pid")``: throughput against the ideal
   (the sum of the ranks' own speeds) over the last intervals, for the step clock and for ``perf_counter``
   timing. Passes at >= 0.95 for the step clock. Needs a device per rank (NCCL, each rank seeing its own GPU):
@@ -60,6 +61,10 @@ CHECKS = ("exactness", "timing", "pid", "memory", "mixed", "offload", "nvml")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 NUM_SAMPLES, FEATURES = 8192, 64
 HIDDEN = {"cpu": 1024, "cuda": 4096}  # steps long enough that a sleep's or a spin's error is small beside them
+# the timing and pid checks' samples a step: on a GPU a step bound by the device's work, not by the CPU launching
+# its kernels (at 64 samples an H100's step is ~2.5 ms of launches around ~0.1 ms of arithmetic: the device idles
+# between kernels, a spin fills those gaps, and a device three times slower would not be three times slower)
+TIMING_BATCH = {"cpu": 64, "cuda": 8192}
 UNEVEN = {0: [10, 54], 4: [40, 24], 8: [22, 42], 12: [51, 13]}  # step -> sizes (64 a step)
 # the memory check: rank 1 trains 2048 then 4096 samples (its steps measure the bytes a sample needs), its
 # memory is then limited to about 6144, and it is given 7168 (8192 a step on a GPU: margins of hundreds of MB
@@ -208,6 +213,11 @@ class _Runner:
         return failed
 
 
+def _timed(*sizes: int) -> dict[str, Any]:
+    """A timing or pid run's sizes, and samples for a few steps an epoch."""
+    return {"sizes": list(sizes), "num_samples": max(NUM_SAMPLES, 4 * sum(sizes))}
+
+
 def _row(check: str, result: str, target: str, passed: bool | None) -> dict[str, Any]:
     """A row with a verdict; ``passed=None``: a figure reported without one (the target says where it is judged)."""
     verdict = "figure" if passed is None else ("pass" if passed else "FAIL")
@@ -257,8 +267,9 @@ def _check_exactness(runner: _Runner, args: argparse.Namespace) -> list[dict[str
 
 def _check_timing(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
     cases = [(clock, factor) for clock in ("step clock", "perf_counter") for factor in (1.0, 3.0)]
+    batch = TIMING_BATCH[runner.accelerator]
     runs = [
-        dict(kind="timing", factor=factor, host_time=clock == "perf_counter", steps=args.timing_steps)
+        dict(kind="timing", factor=factor, host_time=clock == "perf_counter", steps=args.timing_steps, **_timed(batch))
         for clock, factor in cases
     ]
     jobs = runner(1, runs)
@@ -287,7 +298,11 @@ def _check_pid(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]
         reason = "needs two GPUs: two ranks on one GPU share its time"
         return [_not_run("pid 1:3", reason, ">= 0.95 of ideal")]
     clocks = ("step clock", "perf_counter")
-    runs = [dict(kind="pid", host_time=clock == "perf_counter", steps=args.timing_steps * 4) for clock in clocks]
+    half = TIMING_BATCH[runner.accelerator] // 2
+    runs = [
+        dict(kind="pid", host_time=clock == "perf_counter", steps=args.timing_steps * 4, **_timed(half, half))
+        for clock in clocks
+    ]
     cuda = runner.accelerator == "cuda"
     # a GPU each (NCCL refuses two ranks on one device); gloo on a CPU
     jobs = runner(2, runs, backend="nccl" if cuda else None, gpu_per_rank=cuda)
@@ -370,7 +385,8 @@ def _check_offload(runner: _Runner, args: argparse.Namespace) -> list[dict[str, 
 def _check_nvml(runner: _Runner, args: argparse.Namespace) -> list[dict[str, Any]]:
     if runner.accelerator != "cuda":
         return [_not_run("nvml", "no GPU: the GPU metrics are NaN by design", "finite on a GPU")]
-    job = runner.timing or runner(1, [dict(kind="timing", factor=1.0, host_time=False, steps=args.timing_steps)])[0][0]
+    run = dict(kind="timing", factor=1.0, host_time=False, steps=args.timing_steps, **_timed(TIMING_BATCH["cuda"]))
+    job = runner.timing or runner(1, [run])[0][0]
     metrics = job["gpu_metrics"]
     finite = all(value == value for value in metrics.values())  # NaN != NaN
     shown = ", ".join(f"{k} {v:.1f}" for k, v in metrics.items())
@@ -408,8 +424,6 @@ def _fit(job: dict[str, Any], spec: dict[str, Any], index: int, rank: int, accel
     # a plan moves samples between ranks, never the global batch: one process trains the same global batches
     plan = {int(step): sizes for step, sizes in spec.get("plan", {}).items()} if world > 1 else {}
     sizes = spec.get("sizes") or ([64] if world == 1 else [32, 32])
-    if kind == "pid":
-        sizes = [32, 32]
 
     class Plan(Callback):
         """The sizes the check asks for, from the given steps on; the step clock on the host where asked."""
