@@ -109,6 +109,8 @@ class StepTimes:
         self.window = window
         self.ranks: list[list[tuple[int, float]]] = []
         self._off: list[float] = []  # per rank: a suspect's relative distance from the model, 0 for none
+        self.changed: list[bool] = []
+        """Per rank: whether its last observation confirmed a change (its older observations forgotten)."""
 
     @property
     def suspect(self) -> list[bool]:
@@ -120,6 +122,7 @@ class StepTimes:
         if len(self.ranks) != len(sizes):  # another group without regroup(): nothing carries over
             self.ranks = [[] for _ in sizes]
             self._off = [0.0] * len(sizes)
+        self.changed = [False] * len(sizes)
         for r, (obs, b, t) in enumerate(zip(self.ranks, sizes, times)):
             if b == 0:
                 continue
@@ -133,15 +136,41 @@ class StepTimes:
                 if abs(off) > _SPEED_CHANGE_TOLERANCE:
                     if previous * off > 0:  # the interval before was off on the same side: a change
                         obs.clear()
+                        self.changed[r] = True
                     else:
                         self._off[r] = off
             obs.append((int(b), float(t)))
             del obs[: -self.window]
 
+    def scatter(self, sizes: Sequence[int]) -> list[float | None] | None:
+        """Each rank's relative variance about its model: its measurements' own noise.
+
+        Rank ``r``'s is ``sum((t - m(b)) / m(b))^2 / (n - p)`` over its ``n`` observations, ``m`` its model
+        fitted to them and ``p`` the model's parameters (1 at one size, 2 fitted affine); 0.0 for a rank
+        without samples in ``sizes``, ``None`` for one with fewer than two degrees of freedom (just started,
+        or its past forgotten after a change). ``None`` for another number of ranks.
+        """
+        if len(self.ranks) != len(sizes):
+            return None
+        variances: list[float | None] = []
+        for obs, b in zip(self.ranks, sizes):
+            if b == 0:
+                variances.append(0.0)
+                continue
+            alpha, beta = fit_step_time(obs) if obs else (0.0, 0.0)
+            degrees = len(obs) - (2 if alpha > 0 else 1)
+            if degrees < 2:
+                variances.append(None)
+                continue
+            residuals = [(t - (alpha + beta * size)) / (alpha + beta * size) for size, t in obs]
+            variances.append(sum(r * r for r in residuals) / degrees)
+        return variances
+
     def regroup(self, mapping: Sequence[int | None]) -> None:
         """New rank ``i`` keeps old rank ``mapping[i]``'s observations (``None``: a new machine, none)."""
         self.ranks = [list(self.ranks[p]) if p is not None else [] for p in mapping]
         self._off = [0.0] * len(mapping)
+        self.changed = [False] * len(mapping)
 
     def state_dict(self) -> list[list[list[float]]]:
         """Every rank's ``[size, time]`` observations (whether the last one was a suspect is not saved)."""
@@ -150,6 +179,7 @@ class StepTimes:
     def load_state_dict(self, saved: Sequence[Sequence[Sequence[float]]]) -> None:
         self.ranks = [[(int(b), float(t)) for b, t in obs] for obs in saved]
         self._off = [0.0] * len(self.ranks)
+        self.changed = [False] * len(self.ranks)
 
 
 def equal_time_split(

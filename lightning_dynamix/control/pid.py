@@ -17,8 +17,9 @@ The control law, per decision interval:
   ``s~_i <- smoothing * s~_i + (1 - smoothing) * s_i``; when its size changed, the average restarts
   from the new measurement (with affine times a speed measured at another size is another operating
   point, and averaging across them would only add lag), and so it does when the new measurement
-  differs from the average by more than ``restart_threshold`` (relative): a rank that suddenly
-  became much slower or faster is followed at once rather than averaged with what it no longer is.
+  differs from the average by more than ``restart_threshold`` (relative), or when the step model below
+  confirms a change: a rank that suddenly became much slower or faster is followed at once rather than
+  averaged with what it no longer is.
   An interval more than 25% off the rank's step model is first taken for noise (a rank
   descheduled once; see :class:`~lightning_dynamix.control.goodput.StepTimes`): it is averaged in,
   and the rank's past is forgotten only when the next interval confirms it, so a real change is
@@ -68,7 +69,17 @@ rounding). Two things keep the sizes still:
   current sizes are kept exactly and the integral is reset to 0: errors too small to act on never
   wind it up, and an integral frozen at its last value would hold the sizes off balance for good;
 * anti-windup at the bounds: a rank held at a bound (or at the ``max_change`` cap) does not add
-  its error to its integral.
+  its error to its integral;
+* noise gate: a move is made only when its predicted gain, ``1 - T(proposal) / T(current)`` with ``T``
+  the slowest rank's step under the ranks' cost models (:meth:`PIDController.predicted_step`), exceeds
+  ``noise_gate`` times what the measurements' own noise explains: ``sqrt(sum_i var_i / n_i)``, with
+  ``var_i`` rank ``i``'s relative scatter about its model over its recent intervals
+  (:meth:`~lightning_dynamix.control.goodput.StepTimes.scatter`) and ``n_i`` the intervals its estimate
+  averages (those of the fitted model; else those of its smoothed speed at this size, at most
+  ``(1 + smoothing) / (1 - smoothing)``, the moving average's equivalent). On a shared machine, whose intervals
+  scatter by 10-20%, a split at balance otherwise keeps following the noise. A rank that changed
+  (its past forgotten, see above) has no scatter measured yet, so the moves after a change are not gated;
+  nor is a move the bounds or a new global batch force.
 
 What it cannot do: means over an interval balance the ranks' mean arrivals; a rank whose arrival
 varies from step to step (descheduled at random) makes the job wait for the latest of several
@@ -185,6 +196,9 @@ class PIDController:
         lr_scaling: learning-rate rule when the global batch differs from the one of the first
             state seen (only with ``global_batch_size``); one of
             :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
+        noise_gate: move only when the predicted gain of the new sizes exceeds this many standard errors
+            of the measurements' noise (the module docstring), >= 0; ``None`` to move whenever the dead
+            band allows.
         adaptive_gain: use the ranks' measured response to the sizes: each step divided by the response
             to the previous one (the secant gain of the module docstring, at most 3x) and, once fitted,
             the target from each rank's fixed and per-sample cost, so that affine step times converge
@@ -208,6 +222,7 @@ class PIDController:
         max_change: float | None = None,
         lr_scaling: str = "none",
         adaptive_gain: bool = True,
+        noise_gate: float | None = 2.0,
     ) -> None:
         self.kp = require_number("kp", kp, 0.0, math.inf, low_open=True, high_open=True)
         self.ki = require_number("ki", ki, 0.0, math.inf, low_open=False, high_open=True)
@@ -236,8 +251,12 @@ class PIDController:
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         require_bool("adaptive_gain", adaptive_gain)
         self.adaptive_gain = adaptive_gain
+        if noise_gate is not None:
+            noise_gate = require_number("noise_gate", noise_gate, 0.0, math.inf, low_open=False, high_open=True)
+        self.noise_gate = noise_gate
         self._speeds: list[float] | None = None
         self._speed_sizes: list[int] = []
+        self._speed_counts: list[int] = []  # per rank: the intervals its smoothed speed averages (since a restart)
         self._last_step: dict[str, list[float]] | None = None
         self._integral: list[float] = []
         self._previous_error: list[float] | None = None
@@ -260,6 +279,7 @@ class PIDController:
         measured = [b / t for b, t in zip(current, busy)]
         if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
             self._speeds = measured
+            self._speed_counts = [1] * n
             self._integral = [0.0] * n
             self._previous_error = None
         else:
@@ -268,12 +288,23 @@ class PIDController:
             # at the current size and a similar speed, so smoothing never adds lag
             # a jump is followed once the next interval confirms it (a suspect alone is averaged in)
             a = self.smoothing
-            self._speeds = [
-                a * old + (1.0 - a) * new if b == b_old and (suspect or not self._jumped(old, new)) else new
-                for old, new, b, b_old, suspect in zip(
-                    self._speeds, measured, current, self._speed_sizes, self._step_times.suspect
+            # a change the step model confirmed restarts the average too (it held the suspect interval)
+            kept = [
+                b == b_old and not changed and (suspect or not self._jumped(old, new))
+                for old, new, b, b_old, suspect, changed in zip(
+                    self._speeds,
+                    measured,
+                    current,
+                    self._speed_sizes,
+                    self._step_times.suspect,
+                    self._step_times.changed,
                 )
             ]
+            self._speeds = [
+                a * old + (1.0 - a) * new if k else new for old, new, k in zip(self._speeds, measured, kept)
+            ]
+            counts = self._speed_counts if len(self._speed_counts) == n else [0] * n
+            self._speed_counts = [c + 1 if k else 1 for c, k in zip(counts, kept)]
         self._speed_sizes = list(current)
 
         share = [b / state.global_batch for b in current]
@@ -310,7 +341,8 @@ class PIDController:
         feasible = sum(current) == sum(proposal) and all(
             lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper)
         )
-        if feasible and all(abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current)):
+        within_dead_band = all(abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current))
+        if feasible and (within_dead_band or self._within_noise(current, proposal)):
             self._last_step = None
             self._integral = [0.0] * n
             return self._decision(current, state)
@@ -363,6 +395,32 @@ class PIDController:
         sizes = _equal_time(self.cost_models(), total, lower, upper)
         return None if sizes is None else round_to_total(sizes, total, lower, upper)
 
+    def _within_noise(self, current: Sequence[int], proposal: Sequence[int]) -> bool:
+        """Whether the proposal's predicted gain is no more than the noise gate allows (module docstring)."""
+        if self.noise_gate is None:
+            return False
+        noise = self._noise(current)
+        now, then = self.predicted_step(current), self.predicted_step(proposal)
+        if noise is None or now is None or then is None or now <= 0:
+            return False
+        return 1.0 - then / now <= self.noise_gate * noise
+
+    def _noise(self, sizes: Sequence[int]) -> float | None:
+        """The relative standard error of the cost models' step at ``sizes`` from the measurements' noise alone."""
+        variances = self._step_times.scatter(sizes)
+        if variances is None or len(self._speed_counts) != len(sizes):
+            return None
+        fitted = self.step_models() is not None
+        averaged = (1.0 + self.smoothing) / (1.0 - self.smoothing)  # the moving average's intervals, in variance
+        total = 0.0
+        for variance, b, obs, count in zip(variances, sizes, self._step_times.ranks, self._speed_counts):
+            if b == 0:
+                continue
+            if variance is None:
+                return None
+            total += variance / (len(obs) if fitted else max(1.0, min(count, averaged)))
+        return math.sqrt(total)
+
     def _jumped(self, average: float, measured: float) -> bool:
         """Whether a new speed is so far from the average that the rank itself changed."""
         return self.restart_threshold is not None and abs(measured - average) > self.restart_threshold * average
@@ -404,6 +462,7 @@ class PIDController:
         mapping = validate_previous(previous, len(self._speeds))
         self._speeds = regroup_values(self._speeds, mapping)
         self._speed_sizes = [0] * len(mapping)  # no real size: the next measurement replaces every average
+        self._speed_counts = [0] * len(mapping)
         self._integral = [0.0] * len(mapping)
         self._previous_error = None
         self._last_step = None
@@ -418,6 +477,7 @@ class PIDController:
         return {
             "speeds": None if self._speeds is None else list(self._speeds),
             "speed_sizes": list(self._speed_sizes),
+            "speed_counts": list(self._speed_counts),
             "last_step": None if self._last_step is None else {k: list(v) for k, v in self._last_step.items()},
             "integral": list(self._integral),
             "previous_error": None if self._previous_error is None else list(self._previous_error),
@@ -430,6 +490,8 @@ class PIDController:
         speeds = state_dict.get("speeds")
         self._speeds = None if speeds is None else [float(s) for s in speeds]
         self._speed_sizes = [int(b) for b in state_dict.get("speed_sizes", [])]
+        # saved before the noise gate: each smoothed speed counted as one interval (the gate at its widest)
+        self._speed_counts = [int(c) for c in state_dict.get("speed_counts", [1] * len(self._speed_sizes))]
         step = state_dict.get("last_step")
         self._last_step = None if step is None else {k: [float(x) for x in v] for k, v in step.items()}
         self._integral = [float(i) for i in state_dict.get("integral", [])]
@@ -445,5 +507,6 @@ class PIDController:
             f" restart_threshold={self.restart_threshold}, dead_band={self.dead_band},"
             f" min_batch_size={_as_bound(self.min_batch_size)!r},"
             f" max_batch_size={_as_bound(self.max_batch_size)!r}, global_batch_size={self.global_batch_size},"
-            f" max_change={self.max_change}, lr_scaling={self.lr_scaling!r}, adaptive_gain={self.adaptive_gain})"
+            f" max_change={self.max_change}, lr_scaling={self.lr_scaling!r}, adaptive_gain={self.adaptive_gain},"
+            f" noise_gate={self.noise_gate})"
         )

@@ -228,6 +228,59 @@ def test_pid_without_adaptive_gain_converges_monotonically_on_affine_times(fixed
         assert all(s > 0 for s in steps) or all(s < 0 for s in steps), history
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_pid_noise_gate_holds_a_balanced_split_that_noise_alone_would_keep_moving(seed):
+    # intervals that scatter by +-20% (a shared core): ungated, the split at balance keeps following the noise
+    def second_half_spread(gate: float | None) -> tuple[float, tuple[int, ...]]:
+        history = simulate(
+            PIDController(noise_gate=gate),
+            [128, 128],
+            [1e-4, 2e-4],
+            fixed=[4e-3, 4e-3],
+            intervals=60,
+            noise=0.2,
+            seed=seed,
+        )
+        rank0 = [sizes[0] for sizes in history[30:]]
+        return (max(rank0) - min(rank0)) / 256, history[-1]
+
+    ungated, _ = second_half_spread(None)
+    gated, final = second_half_spread(2.0)
+    assert ungated > 0.05
+    assert gated <= 0.05
+    # held near balance (4 + 0.1 b0 = 4 + 0.2 b1 ms at 170.7:85.3), within what +-20% intervals can tell apart
+    slowest = max(4e-3 + 1e-4 * final[0], 4e-3 + 2e-4 * final[1])
+    assert slowest <= 1.04 * (4e-3 + 1e-4 * 512 / 3)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pid_noise_gate_follows_a_real_change_once_the_next_interval_confirms_it(seed):
+    controller = PIDController()
+    settled = simulate(controller, [128, 128], [1e-4, 2e-4], fixed=[4e-3, 4e-3], intervals=30, noise=0.1, seed=seed)
+    # rank 1 becomes twice as fast (a co-tenant left): balance moves from 171:85 to 128:128
+    after = simulate(controller, settled[-1], [1e-4, 1e-4], fixed=[4e-3, 4e-3], intervals=15, noise=0.1, seed=seed)
+    assert after[1] == settled[-1]  # the first such interval could be noise
+    assert after[2][0] <= settled[-1][0] - 20  # the second confirms it: a move, ungated
+    assert all(abs(sizes[0] - 128) <= 0.1 * 256 for sizes in after[4:])
+    assert len(set(after[6:])) == 1  # then it holds
+
+
+def test_step_time_scatter_is_each_ranks_relative_noise_about_its_model():
+    times = StepTimes(8)
+    assert times.scatter([64, 64]) is None  # no ranks seen
+    times.observe([64, 0], [0.064, 0.0])
+    assert times.scatter([64, 0]) == [None, 0.0]  # one observation: no degrees of freedom; a rank sitting out: none
+    for t in (0.066, 0.062, 0.064):
+        times.observe([64, 0], [t, 0.0])
+    variance = times.scatter([64, 0])[0]
+    # about their mean (the model at one size): relative deviations 0, +1/32, -1/32, 0 over 3 degrees of freedom
+    assert variance == pytest.approx(2 * (1 / 32) ** 2 / 3, rel=1e-9)
+    for b in (32, 96, 128):  # exact affine times: no scatter about the fitted model
+        times.observe([b, 0], [0.01 + 0.001 * b, 0.0])
+    times.ranks[0] = [(b, 0.01 + 0.001 * b) for b in (32, 64, 96, 128)]
+    assert times.scatter([64, 0])[0] == pytest.approx(0.0, abs=1e-20)
+
+
 def test_pid_follows_a_change_of_speed_without_overshooting():
     controller = PIDController()
     history = simulate(controller, [64, 64], [3e-3, 1e-3], intervals=10, noise=0.0)
@@ -242,10 +295,15 @@ def test_pid_follows_a_sudden_slowdown_once_confirmed_but_averages_ordinary_nois
     controller = PIDController()
     history = simulate(controller, [64, 64], [1e-3, 1e-3], intervals=5)
     assert history[-1] == (64, 64)
-    # rank 1 becomes 3x slower: the first such interval is averaged in as possible noise (part of the way); the
-    # second confirms it, and its speed, fallen by 2/3, lands on the new balance
+    # rank 1 becomes 3x slower: the first such interval is averaged in as possible noise, and the move it would
+    # make (part of the way) is within what that interval's scatter explains, so the sizes hold; the second
+    # confirms the change, and its speed, fallen by 2/3, lands on the new balance
     history = simulate(controller, history[-1], [1e-3, 3e-3], intervals=2, noise=0.0)
-    assert history[1:] == [(77, 51), (96, 32)]
+    assert history[1:] == [(64, 64), (96, 32)]
+    # without the noise gate the first interval moves part of the way
+    ungated = PIDController(noise_gate=None)
+    history = simulate(ungated, [64, 64], [1e-3, 1e-3], intervals=5)
+    assert simulate(ungated, history[-1], [1e-3, 3e-3], intervals=2, noise=0.0)[1:] == [(77, 51), (96, 32)]
     # one interval 40% slower is averaged with the past (a 29% drop in speed, under the threshold); taken alone
     # it would move the sizes by 17%, beyond the 10% dead band
     steady = PIDController()
@@ -492,6 +550,7 @@ def test_adascale_limits_and_unknown_noise_scale():
         (lambda: PIDController(global_batch_size=0), "global_batch_size"),
         (lambda: PIDController(max_change=0.0), "max_change"),
         (lambda: PIDController(lr_scaling="cubic"), "lr_scaling"),
+        (lambda: PIDController(noise_gate=-1.0), "noise_gate"),
         (lambda: GoodputController(min_global_batch=512, max_global_batch=256), "min_global_batch"),
         (lambda: GoodputController(window=1), "window"),
         (lambda: GoodputController(grid_points=1), "grid_points"),
