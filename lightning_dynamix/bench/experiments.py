@@ -77,6 +77,8 @@ class RunConfig:
             ``log_dir/<controller>/metrics.csv`` (what ``dynamix report`` reads); ``None``: no logs.
         load_changes: changes of the ranks' machines at given steps (:mod:`lightning_dynamix.bench.load`:
             co-tenants that arrive and leave, CPU quotas, link rates), each applied by its rank.
+        pid_max_global_batch: ``pid``'s ``max_global_batch_size``: it may grow the global batch up to this many
+            samples while the all-reduce bounds the step; ``None``: it keeps the global batch.
         links: each rank's host link rate in Mbit/s (``None``: no limit): every rank then runs on a host of its
             own (:class:`~lightning_dynamix.bench.hosts.Hosts`, needs root), launched by the calling process;
             ``None``: the ranks share this machine's loopback, launched by Lightning.
@@ -109,6 +111,7 @@ class RunConfig:
     log_dir: str | None = None
     links: tuple[float | None, ...] | None = None
     load_changes: tuple[LoadChange, ...] = ()
+    pid_max_global_batch: int | None = None
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -210,6 +213,13 @@ def _fixed_global_batch(config: RunConfig) -> dict[str, Any] | None:
     return {"min_global_batch": total, "max_global_batch": total}
 
 
+def _controller_kwargs(config: RunConfig) -> dict[str, Any] | None:
+    """The controller's arguments the run asks for: a kept global batch, or pid's largest global batch."""
+    if config.controller == "pid" and config.pid_max_global_batch is not None:
+        return {"max_global_batch_size": config.pid_max_global_batch}
+    return _fixed_global_batch(config) if config.keep_global_batch else None
+
+
 def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     """Train once; returns the result on global rank 0 and ``None`` on the other ranks.
 
@@ -233,7 +243,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         interval=config.interval,
         warmup_steps=config.warmup_steps,
         lr_scaling=config.lr_scaling,
-        controller_kwargs=_fixed_global_batch(config) if config.keep_global_batch else None,
+        controller_kwargs=_controller_kwargs(config),
         max_batch_size=config.max_batch_size,
     )
     clock = TrainingClock()

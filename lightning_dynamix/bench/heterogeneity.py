@@ -594,7 +594,14 @@ def add_tta_arguments(parser: argparse.ArgumentParser) -> None:
         "--lr-scaling",
         default="adascale",
         help="rule when the global batch changes: none, linear, sqrt, adascale (default adascale; static and pid"
-        " keep the global batch, so it only acts on goodput and ppo)",
+        " keep the global batch, so it only acts on goodput and ppo, and on pid with --pid-max-global-batch)",
+    )
+    parser.add_argument(
+        "--pid-max-global-batch",
+        type=int,
+        default=None,
+        help="pid may grow the global batch up to this many samples while the all-reduce takes more than a fifth"
+        " of the step (PIDController(max_global_batch_size=...)); default: pid keeps the global batch",
     )
     parser.add_argument(
         "--oracle-steps",
@@ -654,6 +661,12 @@ def run_tta(args: argparse.Namespace) -> None:
         raise SystemExit("--oracle searches one fixed split for fixed speeds; it cannot be combined with --schedule")
     if args.oracle_steps < 10:
         raise SystemExit(f"--oracle-steps must be >= 10 (a run's second half is measured), got {args.oracle_steps}")
+    initial = args.batch_size * len(args.speeds)
+    if args.pid_max_global_batch is not None and args.pid_max_global_batch < initial:
+        raise SystemExit(
+            f"--pid-max-global-batch must be at least the initial global batch ({initial}: --batch-size"
+            f" {args.batch_size} x {len(args.speeds)} ranks), got {args.pid_max_global_batch}"
+        )
     try:
         validate_lr_scaling(args.lr_scaling)
     except ValueError as error:
@@ -685,6 +698,7 @@ def _tta_runs(args: argparse.Namespace) -> dict[str, Any] | None:
         schedule=args.schedule,
         links=args.links,
         load_changes=args.load_changes,
+        pid_max_global_batch=args.pid_max_global_batch,
     )
     best: tuple[int, ...] | None = None
     oracle = None

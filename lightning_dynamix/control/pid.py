@@ -81,6 +81,16 @@ rounding). Two things keep the sizes still:
   (its past forgotten, see above) has no scatter measured yet, so the moves after a change are not gated;
   nor is a move the bounds or a new global batch force.
 
+A global batch that answers the network (only with ``max_global_batch_size``, where the user allows the
+global batch to move): when the all-reduce that no split can hide (:attr:`ClusterState.bare_transfer_time`,
+the least wait of any rank) takes more than ``max_comm_share`` of the step, a larger global batch makes
+fewer all-reduces per sample. The global batch goes to ``B * transfer * (1 - share) / (share * own)``, with
+``own = step - transfer`` at the current ``B`` (the ranks' work taken as proportional to their samples),
+within ``[base, max_global_batch_size]``; ``base`` is ``global_batch_size`` or the first global batch seen.
+When the link recovers the same rule brings it back to ``base``. A change of less than ``dead_band``
+(relative) keeps it. The learning rate follows ``lr_scaling``, and the new global batch is split like
+any other (the sizes sum to it exactly).
+
 What it cannot do: means over an interval balance the ranks' mean arrivals; a rank whose arrival
 varies from step to step (descheduled at random) makes the job wait for the latest of several
 draws, which no split of means sees. Before every rank has two sizes to fit, a fixed cost that
@@ -194,8 +204,13 @@ class PIDController:
             at most +-50%), > 0; ``None`` for no cap. The global batch and the bounds take
             precedence where the cap would make them impossible.
         lr_scaling: learning-rate rule when the global batch differs from the one of the first
-            state seen (only with ``global_batch_size``); one of
+            state seen (with ``global_batch_size`` or ``max_global_batch_size``); one of
             :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
+        max_global_batch_size: let the global batch grow up to this many samples while the all-reduce takes
+            more than ``max_comm_share`` of the step (the module docstring); ``None`` (default) keeps it.
+            At least ``global_batch_size`` where that is given.
+        max_comm_share: the share of the step the all-reduce may take before the global batch grows, in
+            ``(0, 1)``; only with ``max_global_batch_size``.
         noise_gate: move only when the predicted gain of the new sizes exceeds this many standard errors
             of the measurements' noise (the module docstring), >= 0; ``None`` to move whenever the dead
             band allows.
@@ -223,6 +238,8 @@ class PIDController:
         lr_scaling: str = "none",
         adaptive_gain: bool = True,
         noise_gate: float | None = 2.0,
+        max_global_batch_size: int | None = None,
+        max_comm_share: float = 0.2,
     ) -> None:
         self.kp = require_number("kp", kp, 0.0, math.inf, low_open=True, high_open=True)
         self.ki = require_number("ki", ki, 0.0, math.inf, low_open=False, high_open=True)
@@ -254,6 +271,18 @@ class PIDController:
         if noise_gate is not None:
             noise_gate = require_number("noise_gate", noise_gate, 0.0, math.inf, low_open=False, high_open=True)
         self.noise_gate = noise_gate
+        if max_global_batch_size is not None and (
+            isinstance(max_global_batch_size, bool)
+            or not isinstance(max_global_batch_size, int)
+            or max_global_batch_size < (global_batch_size or 1)
+        ):
+            raise ValueError(
+                f"`max_global_batch_size` must be an int >= {global_batch_size or 1}"
+                f"{' (global_batch_size)' if global_batch_size else ''} or None to keep the global batch,"
+                f" got {max_global_batch_size!r}."
+            )
+        self.max_global_batch_size = max_global_batch_size
+        self.max_comm_share = require_number("max_comm_share", max_comm_share, 0.0, 1.0, low_open=True, high_open=True)
         self._speeds: list[float] | None = None
         self._speed_sizes: list[int] = []
         self._speed_counts: list[int] = []  # per rank: the intervals its smoothed speed averages (since a restart)
@@ -271,6 +300,8 @@ class PIDController:
         if self._base_global_batch is None:
             self._base_global_batch = state.global_batch
         total = self.global_batch_size if self.global_batch_size is not None else state.global_batch
+        if self.max_global_batch_size is not None:
+            total = self._network_global_batch(state)
 
         busy = arrival_times(state)
         if any(not (math.isfinite(t) and t > 0) for t in busy):
@@ -363,6 +394,23 @@ class PIDController:
             if not (pinned_high or pinned_low):
                 self._integral[i] = max(-_INTEGRAL_LIMIT, min(_INTEGRAL_LIMIT, integral[i]))
         return self._decision(proposal, state)
+
+    def _network_global_batch(self, state: ClusterState) -> int:
+        """The global batch at which the all-reduce takes ``max_comm_share`` of the step (module docstring)."""
+        assert self.max_global_batch_size is not None
+        base = self.global_batch_size if self.global_batch_size is not None else self._base_global_batch
+        base = min(base or state.global_batch, self.max_global_batch_size)
+        current = state.global_batch
+        transfer, step = state.bare_transfer_time, state.step_time
+        own = step - transfer
+        if not (math.isfinite(transfer) and math.isfinite(own) and own > 0 and current > 0):
+            return min(max(current, base), self.max_global_batch_size)
+        share = self.max_comm_share
+        wanted = current * transfer * (1.0 - share) / (share * own)
+        target = min(max(wanted, base), self.max_global_batch_size)
+        if base <= current <= self.max_global_batch_size and abs(target - current) < self.dead_band * current:
+            return current
+        return round(target)
 
     def step_models(self) -> list[tuple[float, float]] | None:
         """Every rank's fitted ``(fixed, per_sample)`` step cost in seconds, ``None`` until every rank has
@@ -508,5 +556,6 @@ class PIDController:
             f" min_batch_size={_as_bound(self.min_batch_size)!r},"
             f" max_batch_size={_as_bound(self.max_batch_size)!r}, global_batch_size={self.global_batch_size},"
             f" max_change={self.max_change}, lr_scaling={self.lr_scaling!r}, adaptive_gain={self.adaptive_gain},"
-            f" noise_gate={self.noise_gate})"
+            f" noise_gate={self.noise_gate}, max_global_batch_size={self.max_global_batch_size},"
+            f" max_comm_share={self.max_comm_share})"
         )

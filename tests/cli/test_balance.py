@@ -238,6 +238,8 @@ def test_bench_tta_trains_fixed_global_batches_and_times_the_controllers_against
     assert "must be distinct global batches >= 1 sample, got '256,256'" in refused
     refused = dynamix_here("bench", "tta", "--lr-scaling", "cubic", cwd=tmp_path, fails=True)
     assert "--lr-scaling: `lr_scaling` must be one of ['none', 'linear', 'sqrt', 'adascale'], got 'cubic'" in refused
+    refused = dynamix_here("bench", "tta", "--pid-max-global-batch", "100", cwd=tmp_path, fails=True)
+    assert "--pid-max-global-batch must be at least the initial global batch (256" in refused
 
 
 def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unknown_job(tmp_path):

@@ -281,6 +281,29 @@ def test_step_time_scatter_is_each_ranks_relative_noise_about_its_model():
     assert times.scatter([64, 0])[0] == pytest.approx(0.0, abs=1e-20)
 
 
+def test_pid_raises_the_global_batch_while_the_all_reduce_bounds_the_step_where_allowed_and_lowers_it_after():
+    def decide(controller: PIDController, sizes: tuple[int, ...], transfer: float) -> tuple[tuple[int, ...], float]:
+        decision = controller.decide(arrival_state(sizes, [1e-4 * b for b in sizes], [0.002, 0.002], transfer=transfer))
+        return decision.batch_sizes, decision.lr_scale
+
+    # two equal ranks at 128 each; a slow link: 0.1 s of all-reduce against 15 ms of work a step
+    allowed = PIDController(max_global_batch_size=1024, lr_scaling="linear")
+    kept = PIDController(lr_scaling="linear")
+    sizes, scale = decide(allowed, (128, 128), transfer=0.1)
+    assert sizes == (512, 512)
+    assert scale == pytest.approx(4.0)
+    assert decide(kept, (128, 128), transfer=0.1) == ((128, 128), 1.0)  # without it the global batch stays
+    # the link recovers: 1 ms of all-reduce, well under a fifth of the step; back to the first global batch
+    sizes, scale = decide(allowed, sizes, transfer=0.001)
+    assert sizes == (128, 128)
+    assert scale == pytest.approx(1.0)
+    # in between: the global batch at which the all-reduce is a fifth of the step (work taken as proportional)
+    sizes, _ = decide(PIDController(max_global_batch_size=4096), (128, 128), transfer=0.02)
+    own = 0.0128 + 0.002
+    assert sum(sizes) == round(256 * 0.02 * 0.8 / (0.2 * own))
+    assert sizes[0] == sizes[1]  # equal ranks, an exact split of it
+
+
 def test_pid_follows_a_change_of_speed_without_overshooting():
     controller = PIDController()
     history = simulate(controller, [64, 64], [3e-3, 1e-3], intervals=10, noise=0.0)
@@ -551,6 +574,9 @@ def test_adascale_limits_and_unknown_noise_scale():
         (lambda: PIDController(max_change=0.0), "max_change"),
         (lambda: PIDController(lr_scaling="cubic"), "lr_scaling"),
         (lambda: PIDController(noise_gate=-1.0), "noise_gate"),
+        (lambda: PIDController(max_global_batch_size=0), "max_global_batch_size"),
+        (lambda: PIDController(global_batch_size=512, max_global_batch_size=256), "max_global_batch_size"),
+        (lambda: PIDController(max_comm_share=1.0), "max_comm_share"),
         (lambda: GoodputController(min_global_batch=512, max_global_batch=256), "min_global_batch"),
         (lambda: GoodputController(window=1), "window"),
         (lambda: GoodputController(grid_points=1), "grid_points"),
