@@ -20,16 +20,27 @@ samples/s:
   the strategy at staleness 1, whose lookups, read a batch ahead, need not wait for the servers.
 
 ``--no-runner`` plans the layers alone, as the cost model did before it knew the runner.
+
+``--links TRAINER,SERVER`` (Mbit/s; ``0`` or ``-``: no limit) puts the trainer and every embedding server on
+hosts of their own (:class:`~lightning_dynamix.bench.hosts.Hosts`, network namespaces; needs root): the servers
+started as a cluster starts them (``python -m lightning_dynamix.serve``, the strategy with
+``launch_servers=False``), meeting the trainer at its host's address, every lookup and update crossing the
+links. The catalogue then gives each type its host's link rate (the loopback's where unlimited), which the cost
+model charges for the rows a server sends and the gradients it receives.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,6 +49,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
@@ -66,7 +78,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--accelerator", choices=("cpu", "gpu"), default="cpu", help="the trainer's device (default cpu)"
     )
     parser.add_argument("--no-runner", action="store_true", help="plan the layers alone, without the runner's terms")
+    parser.add_argument(
+        "--links",
+        default=None,
+        help="the trainer and each server on a host of its own (network namespaces, needs root), on links of these"
+        " rates in Mbit/s: TRAINER,SERVER (0 or -: no limit), every server at the second; the catalogue gives the"
+        " types these rates (default: all on this machine's loopback)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one measurement, on the trainer's host
 
 
 def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> float:
@@ -97,8 +117,10 @@ def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> flo
 
 
 def _resources(
-    profile: Any, servers: int, bandwidth: float, trainer_device: str, spare_cores: int
+    profile: Any, servers: int, bandwidth: tuple[float, float], trainer_device: str, spare_cores: int
 ) -> list[ResourceType]:
+    """The catalogue of this machine: ``bandwidth`` is the trainer's and the servers' links, bytes/s."""
+    trainer_link, server_link = bandwidth
     copies = 3  # the cost model's parameter_copies
     dense = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "dense")
     sparse = sum(layer.parameter_bytes for layer in profile.layers if layer.kind == "sparse")
@@ -107,9 +129,9 @@ def _resources(
     share = min(1.0, max(spare_cores, 1) / servers)
     return [
         # memory for a 1/(servers - 0.5) share of the tables: the plan needs exactly `servers` of them
-        ResourceType("embedding-server", "cpu", 1.0, servers, math.ceil(copies * sparse / (servers - 0.5)), bandwidth,
-                     {"dense": share, "sparse": share}),
-        ResourceType("trainer", trainer_device, 1.0, 1, 2 * copies * dense, bandwidth, speed),
+        ResourceType("embedding-server", "cpu", 1.0, servers, math.ceil(copies * sparse / (servers - 0.5)),
+                     server_link, {"dense": share, "sparse": share}),
+        ResourceType("trainer", trainer_device, 1.0, 1, 2 * copies * dense, trainer_link, speed),
     ]  # fmt: skip
 
 
@@ -124,14 +146,111 @@ class _LookupRequests(Callback):
 
 
 def _measure(
-    plan: PlacementPlan, args: argparse.Namespace, seed: int, threads: int, staleness: int
+    plan: PlacementPlan,
+    args: argparse.Namespace,
+    seed: int,
+    threads: int,
+    staleness: int,
+    hosts: Hosts | None = None,
 ) -> tuple[float, float]:
-    """The median step's seconds, and the lookup requests per step after the warm-up."""
+    """The median step's seconds, and the lookup requests per step after the warm-up (on ``hosts`` where given:
+    the trainer on host 0, server ``k`` on host ``k + 1``)."""
+    if hosts is not None:
+        return _measure_on_hosts(plan, args, seed, threads, staleness, hosts)
+    return _measure_here(plan, args, seed, threads, staleness)
+
+
+_SERVER_PORT = 29600  # where the trainer on host 0 and the servers meet (every host has its own ports)
+
+
+def _measure_on_hosts(
+    plan: PlacementPlan, args: argparse.Namespace, seed: int, threads: int, staleness: int, hosts: Hosts
+) -> tuple[float, float]:
+    """:func:`_measure` with the trainer a process on host 0 and each server one on a host of its own."""
+    from lightning_dynamix.serve import server_command
+
+    servers = plan.embedding_servers()
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder, "measured.json")
+        spec = {
+            "plan": plan.to_dict(),
+            "args": {name: getattr(args, name) for name in ("batch_size", "steps", "warmup", "accelerator")},
+            "seed": seed,
+            "threads": threads,
+            "staleness": staleness,
+            "server_port": _SERVER_PORT,
+            "output": str(result),
+        }
+        log = Path(folder, "trainer.log")
+        with open(log, "w") as out:
+            trainer = hosts.popen(
+                0,
+                [sys.executable, "-m", "lightning_dynamix.bench.plan", "--measure", json.dumps(spec)],
+                env={**os.environ, **hosts.env(0)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            address = f"{hosts.address(0)}:{_SERVER_PORT}"
+            started = [
+                hosts.popen(
+                    k + 1,
+                    server_command(
+                        "--address", address, "--server-rank", str(k), "--num-servers", str(servers),
+                        "--num-trainers", "1", "--staleness", str(staleness), "--timeout", "120",
+                    ),
+                    env={**os.environ, **hosts.env(k + 1)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+                for k in range(servers)
+            ]  # fmt: skip
+            code = trainer.wait()
+            for server in started:  # a server ends once its trainers have finished
+                try:
+                    server.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+                    code = code or "a server that did not end"
+        if code != 0 or not result.exists():
+            raise SystemExit(
+                f"dynamix bench plan: the trainer on its host exited with {code}:\n{log.read_text()[-3000:]}"
+            )
+        measured = json.loads(result.read_text())
+    return measured["step_seconds"], measured["requests_per_step"]
+
+
+def _measure_job(text: str) -> None:
+    """``--measure``: one measurement in this process (on the trainer's host), the servers started by the caller."""
+    spec = json.loads(text)
+    args = argparse.Namespace(**spec["args"])
+    plan = PlacementPlan.from_dict(spec["plan"])
+    step, requests = _measure_here(
+        plan, args, spec["seed"], spec["threads"], spec["staleness"], server_port=spec["server_port"]
+    )
+    Path(spec["output"]).write_text(json.dumps({"step_seconds": step, "requests_per_step": requests}))
+
+
+def _measure_here(
+    plan: PlacementPlan,
+    args: argparse.Namespace,
+    seed: int,
+    threads: int,
+    staleness: int,
+    server_port: int | None = None,
+) -> tuple[float, float]:
+    """The measurement in this process; with ``server_port`` the servers are started elsewhere and meet it there."""
     samples = args.batch_size * (args.steps + args.warmup + 1)
     data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
     model = DLRM(table_sizes=data.spec.table_sizes, seed=seed, meta_embeddings=True)
     timer, requests = StepTimer(warmup=args.warmup), _LookupRequests()
-    strategy = LayerOffloadStrategy(offload=plan, return_embeddings=False, trainer_threads=threads, staleness=staleness)
+    strategy = LayerOffloadStrategy(
+        offload=plan,
+        return_embeddings=False,
+        trainer_threads=threads,
+        staleness=staleness,
+        launch_servers=server_port is None,
+        server_port=server_port,
+    )
     trainer = timed_trainer(strategy, args.steps + args.warmup + 1, [timer, requests], args.accelerator)
     trainer.fit(model, datamodule=data)
     # a step's count includes the lookup of the batch read ahead, and the last step has none to read:
@@ -141,6 +260,16 @@ def _measure(
 
 
 def run(args: argparse.Namespace) -> None:
+    if args.measure is not None:
+        _measure_job(args.measure)
+        return
+    links: list[float | None] | None = None
+    if args.links is not None:
+        try:
+            links = parse_links(args.links, 2)
+            check_hosts()
+        except (ValueError, HostsUnavailable) as error:
+            raise SystemExit(f"dynamix bench plan: --links (TRAINER,SERVER): {error}") from None
     counts = [int(n) for n in args.servers.split(",")]
     if not counts or min(counts) < 1:
         raise SystemExit(f"dynamix bench plan: `--servers` must list ints >= 1, got {args.servers!r}")
@@ -162,6 +291,9 @@ def run(args: argparse.Namespace) -> None:
     finally:
         torch.set_num_threads(before)
     bandwidth = loopback_bandwidth()
+    # each type's link: its host's rate where --links gives one, else the loopback's
+    rates = links or [None, None]
+    link_bandwidth = tuple(bandwidth if rate is None else rate * 1e6 / 8 for rate in rates)
     tables = [index for index, layer in enumerate(profile.layers) if layer.kind == "sparse"]
     sparse_ms = sum(profile.layers[i].seconds["cpu"] for i in tables) * args.batch_size * 1e3
     dense_ms = sum(layer.seconds[trainer_profile] for layer in profile.layers if layer.kind == "dense")
@@ -171,6 +303,8 @@ def run(args: argparse.Namespace) -> None:
         "config": arguments_record(args),
         "machine": machine_description(),
         "loopback_bytes_per_s": bandwidth,
+        "links_mbit_per_s": links,
+        "link_bytes_per_s": {"trainer": link_bandwidth[0], "embedding-server": link_bandwidth[1]},
         "trainer_threads": threads,
         "runner": None if profile.runner is None else profile.runner.to_dict(),
         "profile": {
@@ -183,22 +317,25 @@ def run(args: argparse.Namespace) -> None:
     }
     for servers in counts:
         spare = len(os.sched_getaffinity(0)) - threads if args.accelerator == "cpu" else len(os.sched_getaffinity(0))
-        resources = _resources(profile, servers, bandwidth, trainer_device, spare)
+        resources = _resources(profile, servers, link_bandwidth, trainer_device, spare)
         cost = CostModel(profile, resources, target_throughput=1.0)
         plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
         if plan is None or plan.embedding_servers() != servers:
             raise SystemExit(f"dynamix bench plan: the plan for {servers} servers came out as {plan}")
         steps: dict[int, list[float]] = {0: [], 1: []}
         lookups = []
-        for round_index in range(args.rounds):
-            for staleness in (0, 1):
-                step, requests = _measure(plan, args, round_index, threads, staleness)
-                steps[staleness].append(step)
-                lookups.append(requests)
-                print(
-                    f"{servers} server(s), staleness {staleness}, round {round_index}: {1e3 * step:.2f} ms/step",
-                    flush=True,
-                )
+        # on hosts: the trainer on the first, each server on one more
+        on_hosts = Hosts([rates[0]] + [rates[1]] * servers) if links is not None else contextlib.nullcontext()
+        with on_hosts as hosts:
+            for round_index in range(args.rounds):
+                for staleness in (0, 1):
+                    step, requests = _measure(plan, args, round_index, threads, staleness, hosts)
+                    steps[staleness].append(step)
+                    lookups.append(requests)
+                    print(
+                        f"{servers} server(s), staleness {staleness}, round {round_index}: {1e3 * step:.2f} ms/step",
+                        flush=True,
+                    )
         measured = {staleness: args.batch_size / statistics.median(values) for staleness, values in steps.items()}
         result["plans"][str(servers)] = {
             "plan": plan.to_dict(),
@@ -222,6 +359,7 @@ def run(args: argparse.Namespace) -> None:
         f" profile per batch: tables {sparse_ms:.2f} ms, dense layers {dense_ms:.2f} ms,"
         f" unattributed {result['profile']['unattributed_ms_per_batch']:.2f} ms;"
         f" loopback {bandwidth / 1e9:.2f} GB/s; trainer threads {threads}"
+        + ("" if links is None else f"; trainer and servers on {describe_links(links)} (trainer, servers)")
     )
     if profile.runner is not None:
         print(f"runner per step: {profile.runner.summary()}")
@@ -238,3 +376,15 @@ def run(args: argparse.Namespace) -> None:
         )
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_dynamix.bench.plan``: the bench without the ``dynamix`` command's other dependencies
+    (and how a measurement starts on the trainer's host)."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_dynamix.bench.plan", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

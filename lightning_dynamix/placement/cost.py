@@ -32,6 +32,16 @@ they are charged where the strategy pays them:
 * a table on a CPU type, which the strategy puts on an embedding server, pays per sample its rows
   per batch times the runner's seconds per row: the server's (its lookup and update, over the type's
   speed) and the trainer's (routing, assembly, the gradients' split), charged to the table's stage;
+  and the rows' transfer over the server's link: each distinct row goes out, its gradient comes back,
+  with its id both ways (``row_bytes``: the table's output per sample, one row for a table looked up
+  once a sample). A link carries both ways at once, so a pipeline pays the busier way,
+  ``rows * (row_bytes + 16) / link_bandwidth``; a step run stage after stage waits for the rows, then
+  for their gradients, and pays ``rows * row_bytes / link_bandwidth`` more
+  (:attr:`Stage.serial_seconds_per_sample`). The runner's seconds per row were
+  measured over the profiling machine's loopback, so they already hold that link's share, a few
+  microseconds a row at GB/s. The rows are charged to the server's link only: such a stage pays no
+  transfer of activations at its boundaries, and a trainer on a slower link than its servers' is not
+  modelled;
 * such a stage's units are servers, each holding a share of every one of its tables: every server
   adds its round trip and its work per table to the step whatever its share of the rows (the
   runner's ``request_seconds``, taken out of the fixed terms for the empty step's one server; of it,
@@ -60,6 +70,8 @@ from lightning_dynamix._checks import require_number
 from lightning_dynamix.placement.catalogue import ResourceType
 from lightning_dynamix.placement.profile import ModelProfile
 
+_ID_BYTES = 16  # a row's id, to the server with the lookup and again with its gradient (int64 each time)
+
 
 class InfeasibleError(ValueError):
     """No placement meets the throughput target with the resources of the catalogue."""
@@ -79,6 +91,9 @@ class Stage:
             on a stage of embedding servers, less (each server after the first adds to a step; see
             the module).
         cost_per_hour: ``units`` times the type's price.
+        serial_seconds_per_sample: what the stage adds per sample when the stages run one after another
+            rather than as a pipeline (:attr:`PlacementPlan.sequential_throughput`): an embedding server's
+            rows and their gradients, which a pipeline moves both ways at once and a step one after the other.
     """
 
     first: int
@@ -89,6 +104,7 @@ class Stage:
     seconds_per_sample: float
     throughput: float
     cost_per_hour: float
+    serial_seconds_per_sample: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,10 +145,11 @@ class PlacementPlan:
 
         That is how :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` runs a plan: a step
         looks up the embedding servers' rows, runs the dense layers, then pushes the gradients back.
-        The seconds per sample are the sum over the stages of the inverse of each stage's throughput,
-        and the throughput is the inverse of that sum. It is never above :attr:`throughput`.
+        The seconds per sample are the sum over the stages of the inverse of each stage's throughput
+        and of what it adds run that way (:attr:`Stage.serial_seconds_per_sample`), and the throughput is
+        the inverse of that sum. It is never above :attr:`throughput`.
         """
-        seconds = sum(1 / stage.throughput for stage in self.stages)
+        seconds = sum(1 / stage.throughput + stage.serial_seconds_per_sample for stage in self.stages)
         return 1 / seconds if seconds > 0 else math.inf
 
     def describe_stages(self) -> str:
@@ -233,6 +250,7 @@ class CostModel:
         self._fixed: list[float] = []  # per type: what a stage of dense layers pays per sample beyond them
         self._served: list[list[float]] = []  # per type, prefix sums: tables an embedding server would hold
         self._request: list[float] = []  # per type: what each embedding server adds to a step, per sample
+        self._serial: list[list[float]] = []  # per type, prefix sums: a served table's rows out, stage after stage
         runner = profile.runner
         for resource in self.resources:
             device = "cuda" if resource.device == "gpu" and "cuda" in profile.devices else "cpu"
@@ -242,7 +260,7 @@ class CostModel:
                     f" {device} (it has {list(profile.devices)}): profile the model on {device}"
                 )
             seconds = [layer.seconds[device] / resource.speed(layer.kind) for layer in layers]
-            fixed, served, request = 0.0, [0] * n, 0.0
+            fixed, served, request, serial = 0.0, [0] * n, 0.0, [0.0] * n
             if runner is not None:
                 if resource.device == "cpu":  # the strategy serves these tables from embedding servers
                     speed = resource.speed("sparse")
@@ -252,7 +270,11 @@ class CostModel:
                     request = (runner.request_seconds - table_work + table_work / speed) / runner.batch_size
                     for index, layer in enumerate(layers):
                         if layer.kind == "sparse":
-                            seconds[index] += runner.rows.get(layer.name, 0.0) * row / runner.batch_size
+                            rows = runner.rows.get(layer.name, 0.0) / runner.batch_size
+                            # the busier way: the gradients and the ids to the server; the rows come back
+                            to_server = rows * (layer.activation_bytes + _ID_BYTES) / resource.link_bandwidth
+                            seconds[index] += rows * row + to_server
+                            serial[index] = rows * layer.activation_bytes / resource.link_bandwidth
                             served[index] = 1
                 unattributed = profile.unattributed_seconds(device) if device in profile.step_seconds else 0.0
                 # the empty step's server is charged with the servers, as every other one (request)
@@ -260,6 +282,7 @@ class CostModel:
                 fixed += max(unattributed, 0.0) / resource.speed("dense")
             self._seconds.append(_prefix(seconds))
             self._fixed.append(fixed)
+            self._serial.append(_prefix(serial))
             self._served.append(_prefix(served))
             self._request.append(request)
         self.runner = None if runner is None else runner.to_dict()
@@ -281,6 +304,8 @@ class CostModel:
         seconds = self._seconds[resource][last + 1] - self._seconds[resource][first]
         if kind.device != "cpu" or self._dense_count[last + 1] > self._dense_count[first]:
             seconds += self._fixed[resource]  # not a stage of embedding servers: its units run the step's loop
+        elif self._served[resource][last + 1] > self._served[resource][first]:
+            return seconds  # embedding servers: what crosses their link is their rows, charged with each table
         if first > 0:
             seconds += 2 * self._activation[first - 1] / kind.link_bandwidth
         if last < self.num_layers - 1:
@@ -311,7 +336,10 @@ class CostModel:
             return None
         per_sample = units * request + seconds / units
         throughput = 1 / per_sample if per_sample > 0 else math.inf
-        return Stage(first, last, kind.name, kind.device, units, seconds, throughput, units * kind.price_per_hour)
+        serial = (self._serial[resource][last + 1] - self._serial[resource][first]) / units
+        return Stage(
+            first, last, kind.name, kind.device, units, seconds, throughput, units * kind.price_per_hour, serial
+        )
 
     def with_profile(self, profile: ModelProfile) -> CostModel:
         """This model (resources, target, training and parameter copies) pricing ``profile`` instead."""

@@ -62,6 +62,37 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
     assert row["requests_per_step"] == 2 + 2  # one lookup for all 26 tables and one push, per server
 
 
+def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rate_and_is_bound_by_it(tmp_path):
+    from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, leftovers
+
+    try:
+        check_hosts()
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+    out = tmp_path / "plan.json"
+    dynamix(
+        "bench", "plan", "--servers", "1", "--rounds", "1", "--steps", "2", "--warmup", "1", "--repeats", "2",
+        "--links", "0,20", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["links_mbit_per_s"] == [None, 20.0]
+    # the catalogue: the server's type at its host's 20 Mbit/s, the trainer's at the loopback's rate
+    assert result["link_bytes_per_s"] == {"trainer": result["loopback_bytes_per_s"], "embedding-server": 2.5e6}
+    row = result["plans"]["1"]
+    servers = row["plan"]["stages"][0]
+    rows = sum(result["runner"]["rows"].values())  # distinct rows a batch of 512 looks up, over 26 tables
+    # the rows come back over the link before the gradients go (16 values of 4 bytes a row)
+    assert servers["serial_seconds_per_sample"] == pytest.approx(rows * 64 / 2.5e6 / 512)
+    # each step's rows cross the server's 20 Mbit/s link, less the token bucket's 64 KiB at once: a lower bound
+    # the shaper sets, which a slower or busier machine only adds to
+    step = 1 / row["measured_samples_per_s"] * 512
+    assert step >= (rows * 64 - 65536) / 2.5e6
+    assert leftovers() == []  # the hosts are gone
+    error = dynamix_here("bench", "plan", "--links", "0,20,20", cwd=tmp_path, fails=True)
+    assert "--links (TRAINER,SERVER)" in error
+    assert "gives 3 hosts a rate" in error
+
+
 def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains_and_the_dlrm_example(tmp_path):
     out = tmp_path / "placement.json"
     dynamix_here(

@@ -108,6 +108,31 @@ def test_a_pipeline_runs_at_its_slowest_stage_and_stage_after_stage_at_the_sum_o
     assert plan.sequential_throughput < plan.throughput
 
 
+def test_a_served_tables_rows_and_their_gradients_cross_the_servers_link():
+    # 20 distinct rows per batch of 10, rows of 64 bytes: each goes out, its gradient comes back, its id both ways
+    runner = RunnerProfile(10, 0.004, 0.002, 0.001, {"table": 20.0}, 1e-4, 4e-4, 0.003, 0.002)
+    table = LayerProfile("table", "sparse", {"cpu": 0.002}, GIB, 64)
+    dense = LayerProfile("dense", "dense", {"cpu": 0.006}, 1000, 4)
+    profile = ModelProfile((table, dense), 10, {"cpu": 0.009}, runner=runner)
+    trainer = ResourceType("trainer", "cpu", 2.0, 4, GIB, 1e9, {"dense": 1.0, "sparse": 1.0})
+
+    def tables(link: float) -> PlacementPlan:
+        server = ResourceType("server", "cpu", 1.0, 4, 16 * GIB, link, {"dense": 1.0, "sparse": 1.0})
+        return CostModel(profile, [server, trainer], 1.0).plan([0, 1])
+
+    slow, fast = tables(1e5), tables(1e9)
+    # the link carries both ways at once: a pipeline pays the busier, the gradients and the ids to the server
+    # (20 * (64 + 16) bytes a batch of 10): at 100 kB/s against 1 GB/s, 1.6 ms a sample more
+    busier = 20 * 80 * (1 / 1e5 - 1 / 1e9) / 10
+    assert slow.stages[0].seconds_per_sample - fast.stages[0].seconds_per_sample == pytest.approx(busier)
+    # stage after stage a step waits for the rows (20 * 64 bytes), then for their gradients
+    assert slow.stages[0].serial_seconds_per_sample == pytest.approx(20 * 64 / 1e5 / 10)
+    assert 1 / slow.sequential_throughput - 1 / fast.sequential_throughput == pytest.approx(
+        busier + 20 * 64 * (1 / 1e5 - 1 / 1e9) / 10
+    )
+    assert slow.stages[1] == fast.stages[1]  # the trainers' stage: no activations cross from a server stage
+
+
 def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in_the_plan_file(tmp_path):
     # batch 10; a step pays 4 ms of loop, 2 ms reading the batch, 1 ms of optimiser, 3 ms per server (2 ms
     # of it the server's work on its tables); the table's 20 rows per batch cost 100 us each on the trainer
@@ -122,7 +147,8 @@ def test_the_runner_s_terms_are_charged_where_the_strategy_pays_them_and_kept_in
     tables, dense_stage = plan.stages
     # the server stage: its layer (at speed 2), each row's trainer and server work (at speed 2), a request per
     # unit: 1 ms of round trip and 2 ms of work on its tables at speed 2
-    rows = 0.002 / 2 + 20 * (1e-4 + 4e-4 / 2) / 10
+    # and the rows' ids over its 1 GB/s link (the table has no activation: no row bytes)
+    rows = 0.002 / 2 + 20 * (1e-4 + 4e-4 / 2 + 16 / 1e9) / 10
     assert tables.seconds_per_sample == pytest.approx(rows)  # 1.6 ms
     assert tables.throughput == pytest.approx(1 / (tables.units * (0.001 + 0.002 / 2) / 10 + rows / tables.units))
     # the trainers: their layer, the unattributed 1 ms, and the step's fixed terms less the empty step's server
