@@ -119,12 +119,21 @@ def describe_links(rates: Sequence[float | None]) -> str:
     return "hosts on links of " + ",".join("-" if rate is None else f"{rate:g}" for rate in rates) + " Mbit/s"
 
 
+MIN_BURST = 4096  # bytes: the token bucket holds at least two packets of one MTU
+_SEGMENT = 1500  # bytes: the largest packet the kernel hands a link (its MTU; no larger GSO segments)
+
+
 class Hosts:
     """Hosts in network namespaces of their own, joined through a bridge, each link at its own rate.
 
     Args:
         rates: each host's link rate in Mbit/s, both directions (``None``: no limit); one host a rate.
-        burst_ms: the token bucket's depth, in milliseconds at the link's rate (at least 64 KiB).
+        burst_ms: the token bucket's depth, in milliseconds at the link's rate (at least :data:`MIN_BURST`).
+
+    A link passes no more than its rate, as a real one: the kernel hands each link packets of one MTU (no
+    segments of 64 KiB, which a token bucket must hold at once), and the bucket holds 1 ms at the rate by
+    default. A deeper bucket lets a link that idled send that much at once: at 30 Mbit/s a bucket of 64 KiB
+    made a burst of 140 KB every 50 ms take 22 ms instead of 37.
 
     Use it as a context manager; :meth:`popen` starts a process on a host. Host ``i`` is at
     :meth:`address` ``(i)``; processes reach each other there (gloo: ``GLOO_SOCKET_IFNAME=eth0``, which
@@ -135,7 +144,7 @@ class Hosts:
         HostsUnavailable: on entering, where namespaces or tc cannot be used (see :func:`check_hosts`).
     """
 
-    def __init__(self, rates: Sequence[float | None], burst_ms: float = 5.0) -> None:
+    def __init__(self, rates: Sequence[float | None], burst_ms: float = 1.0) -> None:
         rates = list(rates)
         if not 1 <= len(rates) <= 250:
             raise ValueError(f"`rates` must give 1 to 250 hosts a rate, got {len(rates)}")
@@ -183,6 +192,9 @@ class Hosts:
             self._ip("-n", ns, "link", "set", INTERFACE, "up")
             self._ip("-n", sw, "link", "set", f"p{i}", "master", "br0")
             self._ip("-n", sw, "link", "set", f"p{i}", "up")
+            # packets of one MTU, both ways: a segment of 64 KiB would pass the token bucket at once
+            self._ip("-n", ns, "link", "set", "dev", INTERFACE, "gso_max_size", str(_SEGMENT))
+            self._ip("-n", sw, "link", "set", "dev", f"p{i}", "gso_max_size", str(_SEGMENT))
             self.set_rate(i, self.rates[i])
 
     def close(self) -> None:
@@ -240,18 +252,59 @@ class Hosts:
             raise HostsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
 
 
-def shape_link(namespace: str, switch: str, host: int, rate: float | None, burst_ms: float = 5.0) -> None:
+def shape_link(namespace: str, switch: str, host: int, rate: float | None, burst_ms: float = 1.0) -> None:
     """Host ``host``'s link (``eth0`` in ``namespace``, ``p<host>`` in ``switch``) at ``rate`` Mbit/s both ways,
     ``None``: no limit. Raises :class:`HostsUnavailable` where ``tc`` refuses."""
     for ns, device in ((namespace, INTERFACE), (switch, f"p{host}")):
         if rate is None:
             _run("tc", "-n", ns, "qdisc", "del", "dev", device, "root")  # none there yet: nothing to remove
             continue
-        burst = max(64 * 1024, int(rate * 1e6 / 8 * burst_ms / 1e3))
+        burst = max(MIN_BURST, int(rate * 1e6 / 8 * burst_ms / 1e3))
         command = ["tc", "-n", ns, "qdisc", "replace", "dev", device, "root", "tbf", "rate", f"{rate}mbit"]
         result = _run(*command, "burst", str(burst), "latency", "100ms")
         if result.returncode != 0:
             raise HostsUnavailable(f"`{' '.join(command)} ...` failed: {result.stderr.strip()}")
+
+
+SERVER_PORT = 29600  # where an offload job's trainer on host 0 and its servers meet (every host has its own ports)
+
+
+def run_offload_job(
+    hosts: Hosts, trainer: Sequence[str], servers: int, staleness: int, log: Any, timeout_s: float = 120.0
+) -> int | str:
+    """Run an offload job across hosts: ``trainer`` (one process, its strategy told ``launch_servers=False`` and
+    :data:`SERVER_PORT`) on host 0, and ``servers`` embedding servers on hosts ``1..servers``, started as a
+    cluster starts them (``python -m lightning_dynamix.serve``), meeting at host 0's address. Every lookup and
+    update crosses the links. Their output goes to ``log`` (an open file).
+
+    Returns:
+        The trainer's exit status, or what went wrong where it exited 0 and a server did not end after it.
+    """
+    from lightning_dynamix.serve import server_command
+
+    process = hosts.popen(0, trainer, env={**os.environ, **hosts.env(0)}, stdout=log, stderr=subprocess.STDOUT)
+    address = f"{hosts.address(0)}:{SERVER_PORT}"
+    started = [
+        hosts.popen(
+            k + 1,
+            server_command(
+                "--address", address, "--server-rank", str(k), "--num-servers", str(servers), "--num-trainers", "1",
+                "--staleness", str(staleness), "--timeout", f"{timeout_s:g}",
+            ),
+            env={**os.environ, **hosts.env(k + 1)},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        for k in range(servers)
+    ]  # fmt: skip
+    code: int | str = process.wait()
+    for server in started:  # a server ends once its trainers have finished
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            code = code or "a server that did not end"
+    return code
 
 
 def leftovers(prefix: str = "dx") -> list[str]:

@@ -8,16 +8,23 @@ Two measurements, both of one trainer process on this machine:
 * memory: for the tables in the trainer and on each number of servers, the largest rows per table
   (26 tables, doubling) that trains within a fixed budget of trainer memory (peak resident set
   size), each size probed in a fresh process.
+
+``--links TRAINER,SERVER`` (Mbit/s; ``0`` or ``-``: no limit) runs every speed set-up with the trainer and each
+server on hosts of their own (:class:`~lightning_dynamix.bench.hosts.Hosts`, network namespaces; needs root):
+the trainer a process on the first host (the set-up with the tables in the trainer too), the servers started
+as a cluster starts them on the others, every lookup and update crossing the links.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,15 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynamix.bench.cluster import job_environment
+from lightning_dynamix.bench.hosts import (
+    SERVER_PORT,
+    Hosts,
+    HostsUnavailable,
+    check_hosts,
+    describe_links,
+    parse_links,
+    run_offload_job,
+)
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
@@ -75,7 +91,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--accelerator", default="cpu", help="the trainer's device: cpu (default) or gpu (the servers stay on CPU)"
     )
+    parser.add_argument(
+        "--links",
+        default=None,
+        help="the speed set-ups with the trainer and each server on a host of its own (network namespaces, needs"
+        " root), on links of these rates in Mbit/s: TRAINER,SERVER (0 or -: no limit), every server at the second"
+        " (default: all on this machine's loopback)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)  # one speed run, on the trainer's host
     parser.add_argument("--probe-rows", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--probe-servers", type=int, default=0, help=argparse.SUPPRESS)
 
@@ -88,6 +112,7 @@ def _trainer(
     accelerator: str = "cpu",
     depth: int | None = None,
     threads: int | str | None = None,
+    server_port: int | None = None,
 ) -> Trainer:
     strategy: Any = "auto"
     if servers:
@@ -97,6 +122,8 @@ def _trainer(
             return_embeddings=False,
             prefetch_depth=depth,
             trainer_threads=torch.get_num_threads() if threads == ALL_CORES else threads,
+            launch_servers=server_port is None,  # elsewhere: started on hosts of their own, meeting at the port
+            server_port=server_port,
         )
     return timed_trainer(strategy, steps, callbacks, accelerator)
 
@@ -126,19 +153,17 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
             )
         setups = [setup for setup in setups if setup[0] in names]
     steps: dict[str, list[float]] = {name: [] for name, *_ in setups}
-    samples = args.batch_size * (args.steps + args.warmup + 1)
-    for round_index in range(args.rounds):
-        order = setups if round_index % 2 == 0 else setups[::-1]
-        for name, servers, staleness, depth, threads in order:
-            data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
-            model = DLRM(embedding_dim=args.embedding_dim, seed=round_index)
-            timer = StepTimer(warmup=args.warmup)
-            trainer = _trainer(
-                servers, staleness, args.steps + args.warmup + 1, [timer], args.accelerator, depth, threads
-            )
-            trainer.fit(model, datamodule=data)
-            steps[name].append(timer.timings[0].median_step_seconds)
-            print(f"round {round_index} {name:>32}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
+    # on hosts: the trainer on the first, each server on one more
+    links = args.links
+    on_hosts = Hosts([links[0]] + [links[1]] * max(counts)) if links is not None else contextlib.nullcontext()
+    with on_hosts as hosts:
+        for round_index in range(args.rounds):
+            order = setups if round_index % 2 == 0 else setups[::-1]
+            for name, servers, staleness, depth, threads in order:
+                run = {"servers": servers, "staleness": staleness, "depth": depth, "threads": threads}
+                step = _step_on_hosts(args, run, round_index, hosts) if hosts else _step(args, run, round_index)
+                steps[name].append(step)
+                print(f"round {round_index} {name:>32}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
     base = statistics.median(steps["in-process"])
     return {
         name: {
@@ -149,6 +174,45 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
         }
         for name, values in steps.items()
     }
+
+
+def _step(args: argparse.Namespace, run: dict[str, Any], seed: int, server_port: int | None = None) -> float:
+    """One speed run in this process: the median step's seconds (``server_port``: the servers started elsewhere)."""
+    samples = args.batch_size * (args.steps + args.warmup + 1)
+    data = CTRDataModule(num_samples=samples, num_val_samples=1, batch_size=args.batch_size)
+    model = DLRM(embedding_dim=args.embedding_dim, seed=seed)
+    timer = StepTimer(warmup=args.warmup)
+    steps = args.steps + args.warmup + 1
+    trainer = _trainer(
+        run["servers"], run["staleness"], steps, [timer], args.accelerator, run["depth"], run["threads"], server_port
+    )
+    trainer.fit(model, datamodule=data)
+    return timer.timings[0].median_step_seconds
+
+
+_JOB_ARGS = ("batch_size", "embedding_dim", "steps", "warmup", "accelerator")
+
+
+def _step_on_hosts(args: argparse.Namespace, run: dict[str, Any], seed: int, hosts: Hosts) -> float:
+    """:func:`_step` with the trainer a process on host 0 and each server one on a host of its own."""
+    with tempfile.TemporaryDirectory() as folder:
+        result = Path(folder, "step.json")
+        spec = {"args": {a: getattr(args, a) for a in _JOB_ARGS}, "run": run, "seed": seed, "output": str(result)}
+        log = Path(folder, "job.log")
+        with open(log, "w") as out:
+            trainer = [sys.executable, "-m", "lightning_dynamix.bench.offload", "--job", json.dumps(spec)]
+            code = run_offload_job(hosts, trainer, run["servers"], run["staleness"], out)
+        if code != 0 or not result.exists():
+            raise SystemExit(f"dynamix bench offload: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
+        return float(json.loads(result.read_text())["step_seconds"])
+
+
+def _job(text: str) -> None:
+    """``--job``: one speed run in this process (on the trainer's host), its servers started by the caller."""
+    spec = json.loads(text)
+    run = spec["run"]
+    step = _step(argparse.Namespace(**spec["args"]), run, spec["seed"], SERVER_PORT if run["servers"] else None)
+    Path(spec["output"]).write_text(json.dumps({"step_seconds": step}))
 
 
 def _probe(args: argparse.Namespace) -> None:
@@ -206,6 +270,15 @@ def run(args: argparse.Namespace) -> None:
     if args.probe_rows is not None:
         _probe(args)
         return
+    if args.job is not None:
+        _job(args.job)
+        return
+    if args.links is not None:
+        try:
+            args.links = parse_links(args.links, 2)
+            check_hosts()
+        except (ValueError, HostsUnavailable) as error:
+            raise SystemExit(f"dynamix bench offload: --links (TRAINER,SERVER): {error}") from None
     result: dict[str, Any] = {
         "benchmark": "offload",
         "config": arguments_record(args),
@@ -214,7 +287,8 @@ def run(args: argparse.Namespace) -> None:
     if not args.skip_speed:
         result["speed"] = _speed(args)
     device = "CPU" if args.accelerator == "cpu" else args.accelerator.upper()
-    print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer ({device})")
+    hosted = "" if args.links is None else f"; trainer and servers on {describe_links(args.links)} (trainer, servers)"
+    print(f"\ndynamix bench offload: DLRM, {NUM_TABLES} tables, batch {args.batch_size}, 1 trainer ({device}){hosted}")
     print(f"{'set-up':>32}  {'ms/step':>8}  {'samples/s':>9}  {'vs in-process':>13}")
     for name, row in result.get("speed", {}).items():
         print(

@@ -38,7 +38,6 @@ import math
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,7 +48,15 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
+from lightning_dynamix.bench.hosts import (
+    SERVER_PORT,
+    Hosts,
+    HostsUnavailable,
+    check_hosts,
+    describe_links,
+    parse_links,
+    run_offload_job,
+)
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
@@ -160,16 +167,10 @@ def _measure(
     return _measure_here(plan, args, seed, threads, staleness)
 
 
-_SERVER_PORT = 29600  # where the trainer on host 0 and the servers meet (every host has its own ports)
-
-
 def _measure_on_hosts(
     plan: PlacementPlan, args: argparse.Namespace, seed: int, threads: int, staleness: int, hosts: Hosts
 ) -> tuple[float, float]:
     """:func:`_measure` with the trainer a process on host 0 and each server one on a host of its own."""
-    from lightning_dynamix.serve import server_command
-
-    servers = plan.embedding_servers()
     with tempfile.TemporaryDirectory() as folder:
         result = Path(folder, "measured.json")
         spec = {
@@ -178,43 +179,14 @@ def _measure_on_hosts(
             "seed": seed,
             "threads": threads,
             "staleness": staleness,
-            "server_port": _SERVER_PORT,
             "output": str(result),
         }
-        log = Path(folder, "trainer.log")
+        log = Path(folder, "job.log")
         with open(log, "w") as out:
-            trainer = hosts.popen(
-                0,
-                [sys.executable, "-m", "lightning_dynamix.bench.plan", "--measure", json.dumps(spec)],
-                env={**os.environ, **hosts.env(0)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-            address = f"{hosts.address(0)}:{_SERVER_PORT}"
-            started = [
-                hosts.popen(
-                    k + 1,
-                    server_command(
-                        "--address", address, "--server-rank", str(k), "--num-servers", str(servers),
-                        "--num-trainers", "1", "--staleness", str(staleness), "--timeout", "120",
-                    ),
-                    env={**os.environ, **hosts.env(k + 1)},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                )
-                for k in range(servers)
-            ]  # fmt: skip
-            code = trainer.wait()
-            for server in started:  # a server ends once its trainers have finished
-                try:
-                    server.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    code = code or "a server that did not end"
+            trainer = [sys.executable, "-m", "lightning_dynamix.bench.plan", "--measure", json.dumps(spec)]
+            code = run_offload_job(hosts, trainer, plan.embedding_servers(), staleness, out)
         if code != 0 or not result.exists():
-            raise SystemExit(
-                f"dynamix bench plan: the trainer on its host exited with {code}:\n{log.read_text()[-3000:]}"
-            )
+            raise SystemExit(f"dynamix bench plan: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
         measured = json.loads(result.read_text())
     return measured["step_seconds"], measured["requests_per_step"]
 
@@ -225,7 +197,7 @@ def _measure_job(text: str) -> None:
     args = argparse.Namespace(**spec["args"])
     plan = PlacementPlan.from_dict(spec["plan"])
     step, requests = _measure_here(
-        plan, args, spec["seed"], spec["threads"], spec["staleness"], server_port=spec["server_port"]
+        plan, args, spec["seed"], spec["threads"], spec["staleness"], server_port=SERVER_PORT
     )
     Path(spec["output"]).write_text(json.dumps({"step_seconds": step, "requests_per_step": requests}))
 

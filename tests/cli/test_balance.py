@@ -296,9 +296,9 @@ def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_
     assert result["config"]["links"] == [None, 20.0]
     assert result["config"]["load_changes"] == [{"step": 12, "rank": 1, "kind": "link", "value": 5.0}]
     # every all-reduce crosses rank 1's link, 20 Mbit/s and 5 from step 12: the gradient's bits each way a step
-    # (2 ranks), of which the token bucket lets 64 KiB through at once (a fifth of these 307 KB). A lower bound the
-    # shaper sets: a slower or busier machine only adds to it, and no machine passes the link faster (on
-    # loopback a step of this model takes a few ms)
+    # (2 ranks), of which the token bucket lets 4 KiB through at once (half of it asked). A lower bound the shaper
+    # sets: a slower or busier machine only adds to it, and no machine passes the link faster (on loopback a step
+    # of this model takes a few ms)
     gradient_bits = 32 * sum(p.numel() for p in ClassificationTask(hidden=256, depth=2).parameters())
     (intervals,) = result["runs"]["static"]
     assert [i["step"] for i in intervals] == [10, 15, 20]

@@ -63,7 +63,7 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
 
 
 def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rate_and_is_bound_by_it(tmp_path):
-    from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts, leftovers
+    from lightning_dynamix.bench.hosts import MIN_BURST, HostsUnavailable, check_hosts, leftovers
 
     try:
         check_hosts()
@@ -83,14 +83,43 @@ def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rat
     rows = sum(result["runner"]["rows"].values())  # distinct rows a batch of 512 looks up, over 26 tables
     # the rows come back over the link before the gradients go (16 values of 4 bytes a row)
     assert servers["serial_seconds_per_sample"] == pytest.approx(rows * 64 / 2.5e6 / 512)
-    # each step's rows cross the server's 20 Mbit/s link, less the token bucket's 64 KiB at once: a lower bound
+    # each step's rows cross the server's 20 Mbit/s link, less the token bucket's 4 KiB at once: a lower bound
     # the shaper sets, which a slower or busier machine only adds to
     step = 1 / row["measured_samples_per_s"] * 512
-    assert step >= (rows * 64 - 65536) / 2.5e6
+    assert step >= (rows * 64 - MIN_BURST) / 2.5e6
     assert leftovers() == []  # the hosts are gone
     error = dynamix_here("bench", "plan", "--links", "0,20,20", cwd=tmp_path, fails=True)
     assert "--links (TRAINER,SERVER)" in error
     assert "gives 3 hosts a rate" in error
+
+
+def test_bench_offload_with_the_server_on_a_slow_link_is_bound_by_it(tmp_path):
+    import torch
+
+    from lightning_dynamix.bench.hosts import MIN_BURST, HostsUnavailable, check_hosts, leftovers
+    from lightning_dynamix.data import CTRDataModule
+
+    try:
+        check_hosts()
+    except HostsUnavailable as error:
+        pytest.skip(str(error))
+    out = tmp_path / "offload.json"
+    dynamix(
+        "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--servers", "1", "--skip-memory",
+        "--setups", "in-process;1 server", "--links", "0,20", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["config"]["links"] == [None, 20.0]
+    # the distinct rows of a batch of 512 (the bench's data), 16 values of 4 bytes each, come back from the
+    # server over its 20 Mbit/s link at every step, less the token bucket's 4 KiB at once: a lower bound the
+    # shaper sets (a fifth off for another batch's rows)
+    data = CTRDataModule(num_samples=512 * 4, num_val_samples=1, batch_size=512)
+    data.setup("fit")
+    _, sparse, _ = next(iter(data.train_dataloader()))
+    rows = sum(len(torch.unique(sparse[:, table])) for table in range(sparse.shape[1]))
+    assert result["speed"]["1 server"]["median_step_ms"] / 1e3 >= (0.8 * rows * 64 - MIN_BURST) / 2.5e6
+    assert result["speed"]["in-process"]["median_step_ms"] > 0  # on the trainer's host too
+    assert leftovers() == []
 
 
 def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains_and_the_dlrm_example(tmp_path):
