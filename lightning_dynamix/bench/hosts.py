@@ -26,7 +26,9 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 SUBNET = "198.18.0"  # /24 of 198.18.0.0/15, reserved for network benchmarks
@@ -305,6 +307,25 @@ def run_offload_job(
             server.kill()
             code = code or "a server that did not end"
     return code
+
+
+def offload_job_result(
+    hosts: Hosts, module: str, spec: dict[str, Any], servers: int, staleness: int, bench: str
+) -> dict[str, Any]:
+    """:func:`run_offload_job` with ``python -m module --job SPEC`` as its trainer: ``spec`` (JSON) gains an
+    ``output`` path where the trainer writes its result as JSON, which is returned.
+
+    Raises:
+        SystemExit: naming ``bench``, with the end of the job's output, where the job failed.
+    """
+    with tempfile.TemporaryDirectory() as folder:
+        result, log = Path(folder, "result.json"), Path(folder, "job.log")
+        trainer = [sys.executable, "-m", module, "--job", json.dumps({**spec, "output": str(result)})]
+        with open(log, "w") as out:
+            code = run_offload_job(hosts, trainer, servers, staleness, out)
+        if code != 0 or not result.exists():
+            raise SystemExit(f"{bench}: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
+        return json.loads(result.read_text())
 
 
 def leftovers(prefix: str = "dx") -> list[str]:

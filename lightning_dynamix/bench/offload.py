@@ -24,7 +24,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +38,8 @@ from lightning_dynamix.bench.hosts import (
     HostsUnavailable,
     check_hosts,
     describe_links,
+    offload_job_result,
     parse_links,
-    run_offload_job,
 )
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
@@ -195,16 +194,10 @@ _JOB_ARGS = ("batch_size", "embedding_dim", "steps", "warmup", "accelerator")
 
 def _step_on_hosts(args: argparse.Namespace, run: dict[str, Any], seed: int, hosts: Hosts) -> float:
     """:func:`_step` with the trainer a process on host 0 and each server one on a host of its own."""
-    with tempfile.TemporaryDirectory() as folder:
-        result = Path(folder, "step.json")
-        spec = {"args": {a: getattr(args, a) for a in _JOB_ARGS}, "run": run, "seed": seed, "output": str(result)}
-        log = Path(folder, "job.log")
-        with open(log, "w") as out:
-            trainer = [sys.executable, "-m", "lightning_dynamix.bench.offload", "--job", json.dumps(spec)]
-            code = run_offload_job(hosts, trainer, run["servers"], run["staleness"], out)
-        if code != 0 or not result.exists():
-            raise SystemExit(f"dynamix bench offload: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
-        return float(json.loads(result.read_text())["step_seconds"])
+    spec = {"args": {a: getattr(args, a) for a in _JOB_ARGS}, "run": run, "seed": seed}
+    module = "lightning_dynamix.bench.offload"
+    result = offload_job_result(hosts, module, spec, run["servers"], run["staleness"], "dynamix bench offload")
+    return float(result["step_seconds"])
 
 
 def _job(text: str) -> None:

@@ -38,8 +38,6 @@ import math
 import os
 import socket
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -54,8 +52,8 @@ from lightning_dynamix.bench.hosts import (
     HostsUnavailable,
     check_hosts,
     describe_links,
+    offload_job_result,
     parse_links,
-    run_offload_job,
 )
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
@@ -93,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         " types these rates (default: all on this machine's loopback)",
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
-    parser.add_argument("--measure", default=None, help=argparse.SUPPRESS)  # one measurement, on the trainer's host
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)  # one measurement, on the trainer's host
 
 
 def loopback_bandwidth(total_bytes: int = 64 * 2**20, chunk: int = 2**20) -> float:
@@ -171,28 +169,20 @@ def _measure_on_hosts(
     plan: PlacementPlan, args: argparse.Namespace, seed: int, threads: int, staleness: int, hosts: Hosts
 ) -> tuple[float, float]:
     """:func:`_measure` with the trainer a process on host 0 and each server one on a host of its own."""
-    with tempfile.TemporaryDirectory() as folder:
-        result = Path(folder, "measured.json")
-        spec = {
-            "plan": plan.to_dict(),
-            "args": {name: getattr(args, name) for name in ("batch_size", "steps", "warmup", "accelerator")},
-            "seed": seed,
-            "threads": threads,
-            "staleness": staleness,
-            "output": str(result),
-        }
-        log = Path(folder, "job.log")
-        with open(log, "w") as out:
-            trainer = [sys.executable, "-m", "lightning_dynamix.bench.plan", "--measure", json.dumps(spec)]
-            code = run_offload_job(hosts, trainer, plan.embedding_servers(), staleness, out)
-        if code != 0 or not result.exists():
-            raise SystemExit(f"dynamix bench plan: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
-        measured = json.loads(result.read_text())
+    spec = {
+        "plan": plan.to_dict(),
+        "args": {name: getattr(args, name) for name in ("batch_size", "steps", "warmup", "accelerator")},
+        "seed": seed,
+        "threads": threads,
+        "staleness": staleness,
+    }
+    module, servers = "lightning_dynamix.bench.plan", plan.embedding_servers()
+    measured = offload_job_result(hosts, module, spec, servers, staleness, "dynamix bench plan")
     return measured["step_seconds"], measured["requests_per_step"]
 
 
 def _measure_job(text: str) -> None:
-    """``--measure``: one measurement in this process (on the trainer's host), the servers started by the caller."""
+    """``--job``: one measurement in this process (on the trainer's host), the servers started by the caller."""
     spec = json.loads(text)
     args = argparse.Namespace(**spec["args"])
     plan = PlacementPlan.from_dict(spec["plan"])
@@ -232,8 +222,8 @@ def _measure_here(
 
 
 def run(args: argparse.Namespace) -> None:
-    if args.measure is not None:
-        _measure_job(args.measure)
+    if args.job is not None:
+        _measure_job(args.job)
         return
     links: list[float | None] | None = None
     if args.links is not None:
