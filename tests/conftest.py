@@ -54,3 +54,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
 
     items.sort(key=rank)  # stable: each file keeps its tests' order
+
+
+@pytest.fixture
+def hosts_available():
+    """Skips the test, saying what is missing, where hosts in network namespaces cannot be made (not root, no tc)."""
+    from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts
+
+    try:
+        check_hosts()
+    except HostsUnavailable as error:
+        pytest.skip(str(error))

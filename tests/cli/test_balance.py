@@ -279,14 +279,11 @@ def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_no
     assert "global BatchNorm" in printed
 
 
-def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_slow_link_and_its_changes(tmp_path):
-    from lightning_dynamix.bench.hosts import HostsUnavailable, check_hosts
+def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_slow_link_and_its_changes(
+    tmp_path, hosts_available
+):
     from lightning_dynamix.data.workloads import ClassificationTask
 
-    try:
-        check_hosts()
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
     out = tmp_path / "links.json"
     dynamix(
         "bench", "balance", "--controller", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "20",

@@ -62,13 +62,11 @@ def test_bench_plan_runs_the_plan_with_the_strategy_and_sets_the_measured_throug
     assert row["requests_per_step"] == 2 + 2  # one lookup for all 26 tables and one push, per server
 
 
-def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rate_and_is_bound_by_it(tmp_path):
-    from lightning_dynamix.bench.hosts import MIN_BURST, HostsUnavailable, check_hosts, leftovers
+def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rate_and_is_bound_by_it(
+    tmp_path, hosts_available
+):
+    from lightning_dynamix.bench.hosts import MIN_BURST, leftovers
 
-    try:
-        check_hosts()
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
     out = tmp_path / "plan.json"
     dynamix(
         "bench", "plan", "--servers", "1", "--rounds", "1", "--steps", "2", "--warmup", "1", "--repeats", "2",
@@ -93,16 +91,12 @@ def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rat
     assert "gives 3 hosts a rate" in error
 
 
-def test_bench_offload_with_the_server_on_a_slow_link_is_bound_by_it(tmp_path):
+def test_bench_offload_with_the_server_on_a_slow_link_is_bound_by_it(tmp_path, hosts_available):
     import torch
 
-    from lightning_dynamix.bench.hosts import MIN_BURST, HostsUnavailable, check_hosts, leftovers
+    from lightning_dynamix.bench.hosts import MIN_BURST, leftovers
     from lightning_dynamix.data import CTRDataModule
 
-    try:
-        check_hosts()
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
     out = tmp_path / "offload.json"
     dynamix(
         "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--servers", "1", "--skip-memory",

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, leftovers, parse_links
+from lightning_dynamix.bench.hosts import Hosts, leftovers, parse_links
 from tests.distributed.conftest import JOBS, job_environment
 
 pytestmark = pytest.mark.distributed
@@ -43,14 +43,6 @@ def gone(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-@pytest.fixture(scope="module")
-def hosts_available():
-    try:
-        check_hosts()
-    except HostsUnavailable as error:
-        pytest.skip(str(error))
 
 
 def send(hosts: Hosts, size: int) -> tuple[float, int]:
