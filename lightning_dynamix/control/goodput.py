@@ -33,8 +33,11 @@ negative: warm-up, a single rank) the global batch is kept and only its split is
 known or not, and the controller does not ask for it (``needs_gradient_noise_scale``): measuring it
 costs two reads of the gradients a step, which a slow rank pays slowly.
 Dead band: the best candidate replaces the current sizes only if its predicted goodput beats the
-predicted goodput of the current sizes by more than ``dead_band`` (relative), so the sizes do not
-flap on noise.
+predicted goodput of the current sizes by more than ``dead_band`` (relative), and by more than
+``noise_gate`` times what the measurements' own noise explains: ``sqrt(sum_i var_i / n_i)``, with
+``var_i`` rank ``i``'s relative scatter about its step model over its ``n_i`` observations
+(:meth:`StepTimes.scatter`; a rank whose past was just forgotten has none yet, and does not hold the
+move). So the sizes do not flap on noise.
 
 The learning rate follows ``lr_scaling`` (AdaScale by default, as in Pollux), relative to ``B0``.
 """
@@ -262,6 +265,8 @@ class GoodputController:
             by more than this fraction, in ``[0, 1)``.
         lr_scaling: learning-rate rule relative to ``B0``; one of
             :data:`~lightning_dynamix.control.lr_scaling.LR_SCALING_RULES`.
+        noise_gate: also keep them unless the gain exceeds this many standard errors of the measurements'
+            noise (the module docstring), >= 0; ``None`` for the dead band alone.
 
     Raises:
         ValueError: naming the argument, the value and what is valid, for any bad argument.
@@ -278,6 +283,7 @@ class GoodputController:
         grid_points: int = 32,
         dead_band: float = 0.02,
         lr_scaling: str = "adascale",
+        noise_gate: float | None = 2.0,
     ) -> None:
         self.base_batch_size = require_optional_int("base_batch_size", base_batch_size, 1)
         self.min_global_batch = require_optional_int("min_global_batch", min_global_batch, 1)
@@ -298,6 +304,9 @@ class GoodputController:
         self.grid_points = require_int("grid_points", grid_points, 2)
         self.dead_band = require_number("dead_band", dead_band, 0.0, 1.0, low_open=False, high_open=True)
         self.lr_scaling = validate_lr_scaling(lr_scaling)
+        if noise_gate is not None:
+            noise_gate = require_number("noise_gate", noise_gate, 0.0, math.inf, low_open=False, high_open=True)
+        self.noise_gate = noise_gate
         self._base_global_batch: int | None = base_batch_size
         self._step_times = StepTimes(self.window)
 
@@ -345,9 +354,18 @@ class GoodputController:
             value = goodput(sizes)
             if value > best_goodput:
                 best, best_goodput = sizes, value
-        if best_goodput <= (1.0 + self.dead_band) * current_goodput:
+        if best_goodput <= (1.0 + max(self.dead_band, self._noise(current))) * current_goodput:
             best = current
         return self._decision(best, noise)
+
+    def _noise(self, sizes: Sequence[int]) -> float:
+        """``noise_gate`` standard errors of the step models' predictions from the measurements' noise alone; 0
+        without the gate, or while a rank with samples has no scatter measured."""
+        variances = self._step_times.scatter(sizes)
+        if self.noise_gate is None or variances is None or any(v is None for v in variances):
+            return 0.0
+        total = sum(v / len(obs) for v, obs, b in zip(variances, self._step_times.ranks, sizes) if b > 0 and v)
+        return self.noise_gate * math.sqrt(total)
 
     def _candidates(
         self, current_total: int, base: int, lower: Sequence[int], upper: Sequence[int | None], noise_known: bool
@@ -413,5 +431,5 @@ class GoodputController:
         return (
             f"{type(self).__name__}(base_batch_size={self.base_batch_size}, min_global_batch={self.min_global_batch},"
             f" max_global_batch={self.max_global_batch}, window={self.window}, grid_points={self.grid_points},"
-            f" dead_band={self.dead_band}, lr_scaling={self.lr_scaling!r})"
+            f" dead_band={self.dead_band}, lr_scaling={self.lr_scaling!r}, noise_gate={self.noise_gate})"
         )

@@ -498,6 +498,24 @@ def test_goodput_raises_the_global_batch_while_the_all_reduce_bounds_the_step_an
     assert sum(recovered[-1]) <= 2 * 128
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_goodput_noise_gate_holds_a_split_that_noise_alone_would_keep_moving_and_follows_a_real_change(seed):
+    # one global batch of 256 split between ranks whose intervals scatter by +-20% (a shared core)
+    def moves_in_the_second_half(gate: float | None) -> int:
+        controller = GoodputController(min_global_batch=256, max_global_batch=256, noise_gate=gate)
+        history = simulate(controller, [128, 128], [1e-4, 2e-4], fixed=[4e-3, 4e-3], intervals=60, noise=0.2, seed=seed)
+        return sum(1 for before, after in pairwise(history[30:]) if before != after)
+
+    assert moves_in_the_second_half(None) >= 4
+    assert moves_in_the_second_half(2.0) <= 1
+    # rank 1 becomes twice as fast: held one interval (it could be noise), then followed to the new balance
+    controller = GoodputController(min_global_batch=256, max_global_batch=256)
+    settled = simulate(controller, [128, 128], [1e-4, 2e-4], fixed=[4e-3, 4e-3], intervals=30, noise=0.1, seed=seed)
+    after = simulate(controller, settled[-1], [1e-4, 1e-4], fixed=[4e-3, 4e-3], intervals=15, noise=0.1, seed=seed)
+    assert after[2][0] <= settled[-1][0] - 20
+    assert all(abs(sizes[0] - 128) <= 0.1 * 256 for sizes in after[4:])
+
+
 def test_goodput_respects_global_and_per_rank_limits():
     controller = GoodputController(max_global_batch=300, max_batch_size=200)
     decision = controller.decide(make_state([64, 64], [0.192, 0.064], noise_scale=1e9, comm_time=0.05))
@@ -574,6 +592,7 @@ def test_adascale_limits_and_unknown_noise_scale():
         (lambda: PIDController(max_change=0.0), "max_change"),
         (lambda: PIDController(lr_scaling="cubic"), "lr_scaling"),
         (lambda: PIDController(noise_gate=-1.0), "noise_gate"),
+        (lambda: GoodputController(noise_gate=math.inf), "noise_gate"),
         (lambda: PIDController(max_global_batch_size=0), "max_global_batch_size"),
         (lambda: PIDController(global_batch_size=512, max_global_batch_size=256), "max_global_batch_size"),
         (lambda: PIDController(max_comm_share=1.0), "max_comm_share"),
