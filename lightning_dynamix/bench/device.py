@@ -62,8 +62,9 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 NUM_SAMPLES, FEATURES = 8192, 64
 HIDDEN = {"cpu": 1024, "cuda": 4096}  # steps long enough that a sleep's or a spin's error is small beside them
 # the timing and pid checks' samples a step: on a GPU a step bound by the device's work, not by the CPU launching
-# its kernels (at 64 samples an H100's step is ~2.5 ms of launches around ~0.1 ms of arithmetic: the device idles
-# between kernels, a spin fills those gaps, and a device three times slower would not be three times slower)
+# its kernels (at 64 samples an H100's step is ~2.5 ms of launches around ~0.1 ms of arithmetic, by its operation
+# count: the device idles between kernels, a spin fills those gaps, and a device three times slower would not be
+# three times slower)
 TIMING_BATCH = {"cpu": 64, "cuda": 8192}
 UNEVEN = {0: [10, 54], 4: [40, 24], 8: [22, 42], 12: [51, 13]}  # step -> sizes (64 a step)
 # the memory check: rank 1 trains 2048 then 4096 samples (its steps measure the bytes a sample needs), its

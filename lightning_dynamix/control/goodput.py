@@ -169,6 +169,22 @@ class StepTimes:
             variances.append(sum(r * r for r in residuals) / degrees)
         return variances
 
+    def standard_error(self, sizes: Sequence[int], averaged: Sequence[float] | None = None) -> float | None:
+        """How far the ranks' models can be off from the measurements' noise alone, relative:
+        ``sqrt(sum_r scatter_r / n_r)`` over the ranks with samples in ``sizes``, ``n_r`` the intervals rank ``r``'s
+        estimate averages (``averaged``; by default its observations, which its model is fitted to). ``None``
+        while a rank with samples has no scatter measured (:meth:`scatter`)."""
+        variances = self.scatter(sizes)
+        if variances is None:
+            return None
+        counts = averaged if averaged is not None else [len(obs) for obs in self.ranks]
+        total = 0.0
+        for variance, n in zip(variances, counts):
+            if variance is None:
+                return None
+            total += variance / n if variance else 0.0  # 0.0 for a rank without samples (no observations)
+        return math.sqrt(total)
+
     def regroup(self, mapping: Sequence[int | None]) -> None:
         """New rank ``i`` keeps old rank ``mapping[i]``'s observations (``None``: a new machine, none)."""
         self.ranks = [list(self.ranks[p]) if p is not None else [] for p in mapping]
@@ -354,18 +370,11 @@ class GoodputController:
             value = goodput(sizes)
             if value > best_goodput:
                 best, best_goodput = sizes, value
-        if best_goodput <= (1.0 + max(self.dead_band, self._noise(current))) * current_goodput:
+        error = self._step_times.standard_error(current)
+        gate = self.noise_gate * error if self.noise_gate is not None and error is not None else 0.0
+        if best_goodput <= (1.0 + max(self.dead_band, gate)) * current_goodput:
             best = current
         return self._decision(best, noise)
-
-    def _noise(self, sizes: Sequence[int]) -> float:
-        """``noise_gate`` standard errors of the step models' predictions from the measurements' noise alone; 0
-        without the gate, or while a rank with samples has no scatter measured."""
-        variances = self._step_times.scatter(sizes)
-        if self.noise_gate is None or variances is None or any(v is None for v in variances):
-            return 0.0
-        total = sum(v / len(obs) for v, obs, b in zip(variances, self._step_times.ranks, sizes) if b > 0 and v)
-        return self.noise_gate * math.sqrt(total)
 
     def _candidates(
         self, current_total: int, base: int, lower: Sequence[int], upper: Sequence[int | None], noise_known: bool

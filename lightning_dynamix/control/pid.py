@@ -455,19 +455,12 @@ class PIDController:
 
     def _noise(self, sizes: Sequence[int]) -> float | None:
         """The relative standard error of the cost models' step at ``sizes`` from the measurements' noise alone."""
-        variances = self._step_times.scatter(sizes)
-        if variances is None or len(self._speed_counts) != len(sizes):
+        if len(self._speed_counts) != len(sizes):
             return None
-        fitted = self.step_models() is not None
+        if self.step_models() is not None:  # the fitted models: each over its rank's observations
+            return self._step_times.standard_error(sizes)
         averaged = (1.0 + self.smoothing) / (1.0 - self.smoothing)  # the moving average's intervals, in variance
-        total = 0.0
-        for variance, b, obs, count in zip(variances, sizes, self._step_times.ranks, self._speed_counts):
-            if b == 0:
-                continue
-            if variance is None:
-                return None
-            total += variance / (len(obs) if fitted else max(1.0, min(count, averaged)))
-        return math.sqrt(total)
+        return self._step_times.standard_error(sizes, [max(1.0, min(c, averaged)) for c in self._speed_counts])
 
     def _jumped(self, average: float, measured: float) -> bool:
         """Whether a new speed is so far from the average that the rank itself changed."""

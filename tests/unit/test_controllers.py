@@ -275,10 +275,10 @@ def test_step_time_scatter_is_each_ranks_relative_noise_about_its_model():
     variance = times.scatter([64, 0])[0]
     # about their mean (the model at one size): relative deviations 0, +1/32, -1/32, 0 over 3 degrees of freedom
     assert variance == pytest.approx(2 * (1 / 32) ** 2 / 3, rel=1e-9)
-    for b in (32, 96, 128):  # exact affine times: no scatter about the fitted model
-        times.observe([b, 0], [0.01 + 0.001 * b, 0.0])
-    times.ranks[0] = [(b, 0.01 + 0.001 * b) for b in (32, 64, 96, 128)]
-    assert times.scatter([64, 0])[0] == pytest.approx(0.0, abs=1e-20)
+    affine = StepTimes(8)
+    for b in (32, 64, 96, 128):  # exact affine times: no scatter about the fitted model (2 degrees of freedom)
+        affine.observe([b], [0.01 + 0.001 * b])
+    assert affine.scatter([64])[0] == pytest.approx(0.0, abs=1e-20)
 
 
 def test_pid_raises_the_global_batch_while_the_all_reduce_bounds_the_step_where_allowed_and_lowers_it_after():
