@@ -373,7 +373,7 @@ class PIDController:
             lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper)
         )
         within_dead_band = all(abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current))
-        if feasible and (within_dead_band or self._within_noise(current, proposal)):
+        if feasible and (within_dead_band or self.within_noise(current, proposal)):
             self._last_step = None
             self._integral = [0.0] * n
             return self._decision(current, state)
@@ -443,8 +443,11 @@ class PIDController:
         sizes = _equal_time(self.cost_models(), total, lower, upper)
         return None if sizes is None else round_to_total(sizes, total, lower, upper)
 
-    def _within_noise(self, current: Sequence[int], proposal: Sequence[int]) -> bool:
-        """Whether the proposal's predicted gain is no more than the noise gate allows (module docstring)."""
+    def within_noise(self, current: Sequence[int], proposal: Sequence[int]) -> bool:
+        """Whether moving from ``current`` to ``proposal`` (the same global batch) gains no more than the noise
+        gate allows: ``1 - T(proposal) / T(current)`` at most ``noise_gate`` standard errors of the
+        measurements' own noise, ``T`` the slowest rank's step by :meth:`cost_models` (module docstring).
+        ``False`` without a gate, without models or while a rank's noise is not measured yet."""
         if self.noise_gate is None:
             return False
         noise = self._noise(current)

@@ -331,11 +331,12 @@ def test_the_confidence_fallback_never_lets_the_policy_split_a_batch_measurably_
         balanced = ppo.balancer.balanced_split(512, [1, 1], [None, None])
         return max(_job_step(h, fixed, per_sample) for h in history[3:]) / _job_step(balanced, fixed, per_sample)
 
-    trusting = StubbornPolicy(keep_global_batch=True, fallback_tolerance=None)
+    # the fallback alone (the noise gate also holds a move predicted slower, where it can judge one)
+    trusting = StubbornPolicy(keep_global_batch=True, fallback_tolerance=None, noise_gate=None)
     assert worst_after_the_first_decisions(trusting) > 1.1  # the policy alone moves samples to the slow rank
-    tolerant = StubbornPolicy(keep_global_batch=True, fallback_tolerance=0.02)
+    tolerant = StubbornPolicy(keep_global_batch=True, fallback_tolerance=0.02, noise_gate=None)
     assert worst_after_the_first_decisions(tolerant) <= 1.02 + 1e-6
-    guarded = StubbornPolicy(keep_global_batch=True)  # the default: never predicted slower
+    guarded = StubbornPolicy(keep_global_batch=True, noise_gate=None)  # the default: never predicted slower
     assert worst_after_the_first_decisions(guarded) <= 1.0 + 1e-6
     assert guarded.fallbacks == 12  # every one of its splits was slower, or could not be judged yet
     with pytest.raises(ValueError, match="fallback_tolerance"):
@@ -355,3 +356,52 @@ def test_before_the_balancer_has_measured_a_model_the_policy_splits_like_its_bal
     assert sum(sizes) == pytest.approx(640, abs=2)  # +25%, rounded per rank
     proposal = PIDController().decide(state).batch_sizes
     assert sizes[0] / sizes[1] == pytest.approx(proposal[0] / proposal[1], rel=0.02)
+
+
+class WanderingPolicy(PPOController):
+    """A policy that moves rank 0 by -10% and +10% in turn: every one of its splits leaves balance a little."""
+
+    turns = 0
+
+    def act(self, observation):
+        self.turns += 1
+        return np.array([KEEP, 1 if self.turns % 2 else 3, KEEP])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_noise_gate_holds_a_balanced_split_that_the_policy_and_noise_alone_would_keep_moving(seed):
+    from itertools import pairwise
+
+    from tests.unit.test_controllers import simulate
+
+    # one global batch of 256 on ranks whose intervals scatter by +-20% (a shared core); balance at 170.7:85.3
+    def second_half(ppo: PPOController) -> tuple[int, tuple[int, ...]]:
+        history = simulate(ppo, [128, 128], [1e-4, 2e-4], fixed=[4e-3, 4e-3], intervals=60, noise=0.2, seed=seed)
+        return sum(1 for before, after in pairwise(history[30:]) if before != after), history[-1]
+
+    for build in (PPOController, WanderingPolicy):
+        ungated, _ = second_half(build(keep_global_batch=True, noise_gate=None))
+        gated, final = second_half(build(keep_global_batch=True))
+        assert ungated >= 3, build
+        assert gated <= 1, build
+        slowest = max(4e-3 + 1e-4 * final[0], 4e-3 + 2e-4 * final[1])
+        assert slowest <= 1.05 * (4e-3 + 1e-4 * 512 / 3), final
+    held = WanderingPolicy(keep_global_batch=True, fallback_tolerance=None)
+    second_half(held)
+    assert held.held >= 40  # its own moves, held: the balancer's proposal is not what moved
+    with pytest.raises(ValueError, match="noise_gate"):
+        PPOController(noise_gate=-1.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_noise_gate_lets_the_policy_follow_a_real_change_once_the_next_interval_confirms_it(seed):
+    from tests.unit.test_controllers import simulate
+
+    ppo = PPOController(keep_global_batch=True)
+    settled = simulate(ppo, [128, 128], [1e-4, 2e-4], fixed=[4e-3, 4e-3], intervals=30, noise=0.1, seed=seed)
+    # rank 1 becomes twice as fast (a co-tenant left): balance moves from 171:85 to 128:128
+    after = simulate(ppo, settled[-1], [1e-4, 1e-4], fixed=[4e-3, 4e-3], intervals=15, noise=0.1, seed=seed)
+    assert after[1] == settled[-1]  # the first such interval could be noise
+    assert after[2][0] <= settled[-1][0] - 20  # the second confirms it
+    assert all(abs(sizes[0] - 128) <= 0.1 * 256 for sizes in after[3:])
+    assert len(set(after[6:])) == 1  # then it holds

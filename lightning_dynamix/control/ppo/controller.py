@@ -25,6 +25,13 @@ real machines do not match then costs nothing: with the default its split stands
 measured model predicts it no slower than the balancer's (the model's optimum, so in practice
 where they agree), and the policy's own contribution is the global batch.
 :attr:`PPOController.fallbacks` counts the decisions where the policy's split was replaced.
+
+Noise gate, so that a split at balance stays put on a shared machine: a decision that keeps the global
+batch and only moves samples between ranks is made only where its predicted gain, ``1 - T(new) /
+T(current)`` by the balancer's measured step models, exceeds ``noise_gate`` standard errors of what the
+measurements' own scatter explains (pid's gate, :meth:`PIDController.within_noise`, which also gates the
+balancer's proposals). Otherwise the sizes stay. A change of the global batch is never held.
+:attr:`PPOController.held` counts the decisions held so.
 """
 
 from __future__ import annotations
@@ -78,6 +85,9 @@ class PPOController:
             split is predicted to make the step longer by more than this fraction, or cannot be
             judged yet (the confidence fallback of the module docstring), >= 0; ``None`` always
             follows the policy.
+        noise_gate: keep the sizes where a move at the same global batch gains no more than this many
+            standard errors of the measurements' noise (the balancer's proposals are gated alike; the
+            module docstring), >= 0; ``None`` moves wherever the policy and the balancer say.
 
     Raises:
         FileNotFoundError: when the policy file does not exist.
@@ -102,6 +112,7 @@ class PPOController:
         finetune_kwargs: dict[str, Any] | None = None,
         keep_global_batch: bool = False,
         fallback_tolerance: float | None = 0.0,
+        noise_gate: float | None = 2.0,
     ) -> None:
         require_bool("deterministic", deterministic)
         require_bool("finetune", finetune)
@@ -115,6 +126,10 @@ class PPOController:
             )
         self.fallback_tolerance = fallback_tolerance
         self.fallbacks = 0
+        self.held = 0
+        if noise_gate is not None:
+            noise_gate = require_number("noise_gate", noise_gate, 0.0, math.inf, low_open=False, high_open=True)
+        self.noise_gate = noise_gate
         self.min_batch_size = validate_bound(min_batch_size, "min_batch_size", allow_none=True, low=0)
         self.max_batch_size = validate_bound(max_batch_size, "max_batch_size", allow_none=True)
         validate_bound_pair(self.min_batch_size, self.max_batch_size)
@@ -128,7 +143,7 @@ class PPOController:
                 f" got {type(policy).__name__}: {policy!r}"
             )
         self.deterministic = deterministic
-        self.balancer = balancer(self.min_batch_size, self.max_batch_size)
+        self.balancer = balancer(self.min_batch_size, self.max_batch_size, noise_gate=noise_gate)
         self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         self._warned: set[str] = set()
@@ -192,7 +207,16 @@ class PPOController:
         sizes = apply_adjustments(proposal, actions, lower, upper)
         if self.keep_global_batch and sum(sizes) != sum(proposal):  # the ranks' moves, at the same total
             sizes = split_in_proportion(sum(proposal), sizes, lower, upper)
-        return Decision(self._confident(sizes, proposal, lower, upper))
+        sizes = self._confident(sizes, proposal, lower, upper)
+        if (
+            sizes != current
+            and sum(sizes) == sum(current)
+            and all(lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper))
+            and self.balancer.within_noise(current, sizes)
+        ):
+            self.held += 1
+            return Decision(current)
+        return Decision(sizes)
 
     def _confident(
         self, sizes: tuple[int, ...], proposal: tuple[int, ...], lower: list[int], upper: list[int | None]
@@ -246,6 +270,7 @@ class PPOController:
         state = {
             "decisions": self.decisions,
             "fallbacks": self.fallbacks,
+            "held": self.held,
             "generator": self._generator.get_state().tolist(),
             "warned": sorted(self._warned),
             "base_global_batch": self.base_global_batch,
@@ -258,6 +283,7 @@ class PPOController:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.decisions = int(state_dict["decisions"])
         self.fallbacks = int(state_dict.get("fallbacks", 0))
+        self.held = int(state_dict.get("held", 0))
         self._generator.set_state(torch.tensor(state_dict["generator"], dtype=torch.uint8))
         self._warned = set(state_dict.get("warned", []))
         self.base_global_batch = state_dict.get("base_global_batch")

@@ -51,14 +51,16 @@ _PADDING_LOGIT = -30.0
 
 
 def balancer(
-    min_batch_size: int | Sequence[int] | None = None, max_batch_size: int | Sequence[int] | None = None
+    min_batch_size: int | Sequence[int] | None = None,
+    max_batch_size: int | Sequence[int] | None = None,
+    noise_gate: float | None = 2.0,
 ) -> PIDController:
     """The balancer whose proposals a policy adjusts: :class:`PIDController` at its defaults, within the bounds.
 
     It keeps the global batch of the sizes the job ran at, so the policy's changes to the global
     batch persist, and moves samples between ranks until their own step times are equal.
     """
-    return PIDController(min_batch_size=min_batch_size, max_batch_size=max_batch_size)
+    return PIDController(min_batch_size=min_batch_size, max_batch_size=max_batch_size, noise_gate=noise_gate)
 
 
 def apply_adjustments(
