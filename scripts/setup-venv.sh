@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs lightning-dynamix with its test tools into it.
+# Creates .venv and installs lightning-dynamix with its test tools and its optional torchft into it.
 # torch comes first: torch==2.13.0 (CPU build where one is provided), or the torch already
 # installed for $PYTHON, reused through --system-site-packages, so pip never pulls a second
 # (CUDA) build. Re-running is cheap: it installs again only when pyproject.toml changed.
@@ -22,7 +22,7 @@ if [ ! -f "$stamp" ]; then
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/python" -m pip install --disable-pip-version-check "torch==2.13.0"
   fi
-  "$VENV/bin/python" -m pip install --disable-pip-version-check -e ".[dev]"
+  "$VENV/bin/python" -m pip install --disable-pip-version-check -e ".[dev,ft]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

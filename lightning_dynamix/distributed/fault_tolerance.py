@@ -1,0 +1,393 @@
+"""Per-step fault tolerance on torchft: replicas that fail, leave or join while the others keep training.
+
+Restart-based elasticity (torch elastic, :mod:`lightning_dynamix.elastic`) stops every worker when one
+leaves or joins. torchft keeps the survivors running instead: before every step the replicas form a
+quorum through a *lighthouse*, the process group is rebuilt over the quorum's members when it changed,
+a step in which any member failed is not committed (no optimizer step anywhere), and a replica that
+joins receives the model, optimizer and data position from a peer over the network (no file).
+
+:class:`FaultTolerantReplica` is one replica (one process here) of such a job, with a batch size of its
+own. Every step:
+
+1. :meth:`~FaultTolerantReplica.begin_step` waits for the quorum and agrees with the other participants
+   on the step's sizes: the global batch ``B`` (fixed, ``global_batch_size``) split over the
+   participants in proportion to the sizes each asks for (a controller's decision, a probe size for a
+   replica that just joined). One all-reduce of one number per participant carries the requests, so
+   every participant computes the same split. The step's global batch is the next ``B`` positions of
+   the epoch's order (:class:`~lightning_dynamix.data.sampler.EpochPermutation`, seeded like
+   :class:`~lightning_dynamix.data.sampler.HeterogeneousBatchSampler`), from the epoch's *committed*
+   cursor, and participant ``p`` takes its slice in participant order.
+2. The caller trains on :attr:`StepPlan.indices` and calls :meth:`~FaultTolerantReplica.sync_gradients`:
+   each participant's gradient (the mean over its own ``b_p`` samples) is weighted by ``b_p / B`` and
+   summed, so the result is exactly the mean gradient over the step's global batch, whoever took part.
+3. :meth:`~FaultTolerantReplica.commit` asks torchft whether the step may be committed. Only then does
+   the caller step its optimizer, and the cursor moves past the step's ``B`` samples. A step that is not
+   committed (a participant died, the group was being rebuilt) leaves the cursor where it was, so the
+   same global batch is trained again by the members of the next quorum: every sample is trained
+   exactly once per epoch, and the committed steps equal one process trained on the same global batches.
+
+The epoch's last step follows the rule of :mod:`lightning_dynamix.data.schedule`: a step that would
+leave fewer samples than one per participant takes all that remain.
+
+torchft is an optional dependency (``pip install lightning-dynamix[ft]``); this module imports it only
+when a :class:`Lighthouse` or :class:`FaultTolerantReplica` is built. A lighthouse for a job:
+``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind [::]:29510``.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+
+from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix.control.allocation import split_in_proportion
+from lightning_dynamix.data.sampler import EpochPermutation
+from lightning_dynamix.data.schedule import final_step_sizes
+
+DEFAULT_LIGHTHOUSE_PORT = 29510
+"""The port torchft's examples give the lighthouse."""
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as error:  # pragma: no cover - the project's set-up installs it
+        raise ImportError(
+            "per-step fault tolerance needs torchft: pip install 'lightning-dynamix[ft]' (or torchft==0.2.0)"
+        ) from error
+    return torchft
+
+
+def lighthouse_host_port(address: str) -> tuple[str, int]:
+    """The host and port of a lighthouse address such as ``http://10.0.0.1:29510``.
+
+    Raises:
+        ValueError: naming the address, for one without a host or a port.
+    """
+    parts = urlsplit(address if "://" in address else f"http://{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        raise ValueError(f"`lighthouse` {address!r} is not an address of the form http://HOST:PORT")
+    return parts.hostname, port
+
+
+def check_lighthouse(address: str, timeout: float = 5.0) -> None:
+    """Raise a ``ConnectionError`` naming ``address`` when no lighthouse answers there within ``timeout`` seconds.
+
+    torchft's own client retries a lighthouse that is not there until its connect timeout; this check
+    fails at once with what to do.
+    """
+    host, port = lighthouse_host_port(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as error:
+        raise ConnectionError(
+            f"no torchft lighthouse answers at {address} ({error}); start one with `torchft_lighthouse"
+            f" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind [::]:{port}` on {host}"
+            " and give its address (`lighthouse=` or the TORCHFT_LIGHTHOUSE environment variable)"
+        ) from None
+
+
+class Lighthouse:
+    """torchft's lighthouse (the quorum's coordinator) running in this process, for tests and benches.
+
+    A job's own lighthouse is better started on its own (``torchft_lighthouse ...``, module docstring),
+    on a machine that does not fail with a replica.
+
+    Args:
+        min_replicas: the fewest replicas a quorum may have.
+        host: the address to listen on and to give replicas.
+        port: the port; 0 picks a free one.
+        join_timeout: seconds to wait for more replicas to join a forming quorum before it is formed
+            with those there (at least ``min_replicas``).
+        quorum_tick: seconds between the lighthouse's checks of a forming quorum.
+        heartbeat_timeout: seconds without a replica's heartbeat after which it is taken for dead.
+    """
+
+    def __init__(
+        self,
+        min_replicas: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        join_timeout: float = 1.0,
+        quorum_tick: float = 0.05,
+        heartbeat_timeout: float = 1.0,
+    ) -> None:
+        require_int("min_replicas", min_replicas, 1)
+        require_int("port", port, 0)
+        for name, value in (("join_timeout", join_timeout), ("quorum_tick", quorum_tick)):
+            require_number(name, value, 0.0, math.inf, low_open=False, high_open=True)
+        require_number("heartbeat_timeout", heartbeat_timeout, 0.0, math.inf, low_open=True, high_open=True)
+        from torchft._torchft import LighthouseServer
+
+        _torchft()
+        self.host = host
+        self._server = LighthouseServer(
+            bind=f"{host}:{port}",
+            min_replicas=min_replicas,
+            join_timeout_ms=round(join_timeout * 1000),
+            quorum_tick_ms=max(1, round(quorum_tick * 1000)),
+            heartbeat_timeout_ms=max(1, round(heartbeat_timeout * 1000)),
+        )
+        self.port = lighthouse_host_port(self._server.address())[1]
+
+    @property
+    def address(self) -> str:
+        """Where replicas find it: ``http://HOST:PORT``."""
+        return f"http://{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop it (replicas then fail to form quorums)."""
+        self._server.shutdown()
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one replica trains at one step, agreed by every participant of the step's quorum.
+
+    Attributes:
+        step: committed steps before this one (the job's optimizer steps so far).
+        epoch: the epoch whose order the step reads.
+        cursor: the epoch's committed position: the step's global batch starts there.
+        participant: this replica's rank among the step's participants.
+        batch_sizes: every participant's size at this step, in participant order, samples.
+        indices: this replica's dataset indices.
+    """
+
+    step: int
+    epoch: int
+    cursor: int
+    participant: int
+    batch_sizes: tuple[int, ...]
+    indices: list[int]
+
+    @property
+    def participants(self) -> int:
+        """How many replicas take part in the step."""
+        return len(self.batch_sizes)
+
+    @property
+    def global_batch(self) -> int:
+        """The step's global batch, samples."""
+        return sum(self.batch_sizes)
+
+    @property
+    def batch_size(self) -> int:
+        """This replica's size at the step, samples."""
+        return self.batch_sizes[self.participant]
+
+
+def participant_sizes(global_batch: int, requested: Sequence[float], remaining: int) -> tuple[int, ...]:
+    """The participants' sizes at a step: ``global_batch`` in proportion to ``requested`` (> 0 each), or
+    at the epoch's end (fewer than ``global_batch`` plus one per participant ``remaining``) all that remain.
+
+    A participant beyond what the last samples can give one each gets 0 at that step.
+    """
+    n = len(requested)
+    if remaining < global_batch + n:
+        training = min(n, remaining)
+        sizes = split_in_proportion(
+            min(global_batch, remaining), list(requested[:training]), [1] * training, [None] * training
+        )
+        return final_step_sizes(sizes, remaining) + (0,) * (n - training)
+    return split_in_proportion(global_batch, list(requested), [1] * n, [None] * n)
+
+
+class FaultTolerantReplica:
+    """One replica of a job that keeps training while others fail, leave or join (module docstring).
+
+    Args:
+        num_samples: the dataset's length; every replica must give the same.
+        global_batch_size: samples per step over all participants, >= 1.
+        state_dict: the caller's state a joining replica receives (model, optimizer, controller), as a
+            dict of tensors and plain values.
+        load_state_dict: loads what ``state_dict`` gave, on a joining replica.
+        lighthouse: the lighthouse's address (``http://HOST:PORT``).
+        replica_id: a name for this replica (a machine's); torchft makes it unique.
+        host: the address other replicas reach this one at (its process group, store and recovery).
+        min_replicas: commit a step only with at least this many participants.
+        shuffle: a new order every epoch (seeded with ``seed + epoch``), or the dataset's order.
+        seed: the order's seed; every replica must give the same.
+        timeout: seconds before a collective, a commit or a recovery is given up (the step is then not
+            committed).
+        quorum_timeout: seconds to wait for a quorum.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA).
+
+    Raises:
+        ValueError: for a bad argument, naming it.
+        ConnectionError: when no lighthouse answers at ``lighthouse``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        lighthouse: str,
+        replica_id: str = "replica",
+        host: str = "127.0.0.1",
+        min_replicas: int = 1,
+        shuffle: bool = True,
+        seed: int = 0,
+        timeout: float = 10.0,
+        quorum_timeout: float = 60.0,
+        backend: str = "gloo",
+    ) -> None:
+        require_int("num_samples", num_samples, 1)
+        require_int("global_batch_size", global_batch_size, 1)
+        require_int("min_replicas", min_replicas, 1)
+        require_int("seed", seed, 0)
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+            require_number(name, value, 0.0, math.inf, low_open=True, high_open=True)
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"`backend` must be 'gloo' or 'nccl', got {backend!r}")
+        if not replica_id or ":" in replica_id:
+            raise ValueError(f"`replica_id` must be a non-empty name without ':', got {replica_id!r}")
+        check_lighthouse(lighthouse)
+        torchft = _torchft()
+        from torch.distributed import TCPStore
+
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.order = EpochPermutation(num_samples, shuffle=shuffle, seed=seed)
+        self.step = 0
+        self.epoch = 0
+        self.cursor = 0
+        self.committed = 0
+        """Steps this replica took part in and committed."""
+        self.failed = 0
+        """Steps this replica took part in that were not committed."""
+        self._plan: StepPlan | None = None
+        self._user_state_dict = state_dict
+        self._user_load_state_dict = load_state_dict
+        # a store of its own for the replica group (one process): torchft's manager meets there
+        self._store = TCPStore(host, 0, world_size=1, is_master=True, wait_for_workers=False)
+        pg_timeout = timedelta(seconds=timeout)
+        pg = torchft.ProcessGroupGloo(timeout=pg_timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(pg_timeout)
+        self.manager = torchft.Manager(
+            pg=pg,
+            load_state_dict=self._load_state_dict,
+            state_dict=self._state_dict,
+            min_replica_size=min_replicas,
+            use_async_quorum=False,
+            timeout=pg_timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout),
+            connect_timeout=timedelta(seconds=timeout),
+            rank=0,
+            world_size=1,
+            store_addr=host,
+            store_port=self._store.port,
+            lighthouse_addr=lighthouse,
+            replica_id=replica_id,
+            hostname=host,
+        )
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "user": self._user_state_dict(),
+            "data": {"step": self.step, "epoch": self.epoch, "cursor": self.cursor},
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        self._user_load_state_dict(state["user"])
+        self.step, self.epoch, self.cursor = (int(state["data"][k]) for k in ("step", "epoch", "cursor"))
+
+    def begin_step(self, batch_size: int | None = None) -> StepPlan:
+        """Join the step's quorum and agree on its sizes; ``batch_size`` is the size this replica asks for
+        (a weight: the participants' requests are scaled to the global batch), ``None`` for an even share.
+
+        A quorum whose members cannot agree (one failed meanwhile) is left uncommitted and formed again.
+        """
+        if batch_size is not None:
+            require_int("batch_size", batch_size, 1)
+        while True:
+            self.manager.start_quorum()
+            participant = self.manager.participating_rank()
+            participants = self.manager.num_participants()
+            if participant is None or participants < 1:  # not in this quorum (a spare): wait for the next
+                self.manager.should_commit()
+                continue
+            requests = torch.zeros(participants, dtype=torch.float64)
+            requests[participant] = float(batch_size) if batch_size is not None else 0.0
+            self.manager.allreduce(requests, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+            if self.manager.errored() is None:
+                break
+            self.manager.should_commit()  # not committed: nothing was trained; try the next quorum
+        asked = [float(r) for r in requests.tolist()]
+        given = [r for r in asked if r > 0]
+        even = sum(given) / len(given) if given else 1.0
+        sizes = participant_sizes(
+            self.global_batch_size, [r if r > 0 else even for r in asked], self.num_samples - self.cursor
+        )
+        self.order.set_epoch(self.epoch)
+        start = self.cursor + sum(sizes[:participant])
+        self._plan = StepPlan(
+            step=self.step,
+            epoch=self.epoch,
+            cursor=self.cursor,
+            participant=participant,
+            batch_sizes=sizes,
+            indices=self.order.indices(start, start + sizes[participant]),
+        )
+        return self._plan
+
+    def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """Replace each parameter's gradient (the mean over this replica's samples) by the mean over the
+        step's global batch: weighted by ``b_p / B`` and summed over the participants, in one all-reduce.
+        A parameter without a gradient counts as zero."""
+        plan = self._require_plan()
+        params = [p for p in parameters if p.requires_grad]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads]) * (plan.batch_size / plan.global_batch)
+        self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    def commit(self) -> bool:
+        """Whether the step is committed: step the optimizer only then. A committed step moves the cursor
+        past its global batch (to the next epoch after the last one)."""
+        plan = self._require_plan()
+        self._plan = None
+        committed = self.manager.should_commit()
+        if committed:
+            self.committed += 1
+            self.step += 1
+            self.cursor += plan.global_batch
+            if self.cursor >= self.num_samples:
+                self.epoch += 1
+                self.cursor = 0
+        else:
+            self.failed += 1
+        return committed
+
+    def _require_plan(self) -> StepPlan:
+        if self._plan is None:
+            raise RuntimeError("begin_step() must come first: each step is begin_step, sync_gradients, commit")
+        return self._plan
+
+    def close(self) -> None:
+        """Leave the job: the others go on without this replica."""
+        self.manager.shutdown(wait=False)

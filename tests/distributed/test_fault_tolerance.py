@@ -1,0 +1,144 @@
+"""Per-step fault tolerance on torchft: replicas killed and joining while the others keep training."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_dynamix.data.sampler import EpochPermutation
+from lightning_dynamix.distributed.fault_tolerance import Lighthouse
+
+pytestmark = pytest.mark.distributed
+
+JOBS = Path(__file__).parent / "jobs"
+sys.path.insert(0, str(JOBS))
+from common import IndexedDataset, make_network, make_optimizer  # noqa: E402
+
+NUM_SAMPLES, GLOBAL_BATCH, STEPS, SEED = 120, 12, 24, 3  # as in ft_replica_job.py
+
+
+def start_replica(
+    lighthouse: str, name: str, out: Path, batch_size: int, pause: float, join_file: Path | None = None
+) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]))
+    command = [sys.executable, str(JOBS / "ft_replica_job.py"), lighthouse, name, str(out), str(batch_size), str(pause)]
+    command += [str(join_file)] if join_file is not None else []
+    with (out / f"{name}.log").open("w") as log:
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def steps_of(out: Path, name: str) -> list[dict]:
+    path = out / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(condition, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def killed_and_joined(tmp_path_factory):
+    """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice) in its
+    sixth step, and r2 joins once r0 has committed eight steps; r0 and r2 train to the job's end."""
+    out = tmp_path_factory.mktemp("ft")
+    join = out / "join"
+    with Lighthouse(min_replicas=1, heartbeat_timeout=0.5) as lighthouse:
+        r0 = start_replica(lighthouse.address, "r0", out, 8, 0.2)
+        r1 = start_replica(lighthouse.address, "r1", out, 4, 0.2)
+        r2 = start_replica(lighthouse.address, "r2", out, 2, 0.2, join_file=join)
+        processes = [r0, r1, r2]
+        try:
+            inside = out / "r1.training"
+            wait_for(lambda: inside.exists() and inside.read_text() == "5", "r1 inside its sixth step")
+            r1.send_signal(signal.SIGKILL)
+            wait_for(lambda: sum(s["committed"] for s in steps_of(out, "r0")) >= 8, "r0's eighth committed step")
+            join.touch()
+            assert r0.wait(timeout=90) == 0, (out / "r0.log").read_text()[-3000:]
+            assert r2.wait(timeout=90) == 0, (out / "r2.log").read_text()[-3000:]
+        finally:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+    return out
+
+
+def committed_steps(out: Path) -> dict[int, dict]:
+    """Every committed step, by step number, with the slices of the replicas that logged it."""
+    steps: dict[int, dict] = {}
+    for name in ("r0", "r1", "r2"):
+        for line in steps_of(out, name):
+            if not line["committed"]:
+                continue
+            step = steps.setdefault(line["step"], {**line, "slices": {}})
+            assert (step["epoch"], step["cursor"], step["sizes"]) == (line["epoch"], line["cursor"], line["sizes"])
+            step["slices"][line["participant"]] = line["indices"]
+    return steps
+
+
+def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(killed_and_joined):
+    steps = committed_steps(killed_and_joined)
+    assert sorted(steps) == list(range(STEPS))
+    order = EpochPermutation(NUM_SAMPLES, seed=SEED)
+    seen: dict[int, list[int]] = {}
+    for number in range(STEPS):
+        step = steps[number]
+        order.set_epoch(step["epoch"])
+        batch = order.indices(step["cursor"], step["cursor"] + sum(step["sizes"]))
+        for participant, indices in step["slices"].items():  # each participant's slice, in participant order
+            start = sum(step["sizes"][:participant])
+            assert indices == batch[start : start + step["sizes"][participant]]
+        seen.setdefault(step["epoch"], []).extend(batch)
+    assert sorted(seen) == [0, 1, 2]
+    for epoch in (0, 1):
+        assert sorted(seen[epoch]) == list(range(NUM_SAMPLES)), epoch
+
+
+def test_the_killed_replicas_step_is_trained_again_by_the_survivors_and_a_joiner_takes_its_share(killed_and_joined):
+    r0 = steps_of(killed_and_joined, "r0")
+    failed = [s for s in r0 if not s["committed"]]
+    assert failed, "the step r1 died in was committed"
+    first = failed[0]
+    assert first["sizes"] == [8, 4]
+    assert first["step"] == 5
+    # the same global batch again, over the survivor alone: nothing lost, nothing trained twice
+    again = next(s for s in r0 if s["committed"] and s["step"] == first["step"])
+    assert (again["epoch"], again["cursor"], again["sizes"]) == (first["epoch"], first["cursor"], [12])
+    # r2 received the state from r0 (no file) and trained its share: 2 of every 10 asked for
+    r2 = [s for s in steps_of(killed_and_joined, "r2") if s["committed"]]
+    assert r2
+    assert r2[0]["step"] >= 8
+    full = [s for s in r2 if s["cursor"] + GLOBAL_BATCH + 2 <= NUM_SAMPLES]
+    assert full
+    assert all(s["sizes"] == [10, 2] for s in full)
+
+
+def test_the_committed_steps_equal_one_process_trained_on_the_same_global_batches(killed_and_joined):
+    steps = committed_steps(killed_and_joined)
+    data, order = IndexedDataset(NUM_SAMPLES), EpochPermutation(NUM_SAMPLES, seed=SEED)
+    network = make_network(0)
+    optimizer = make_optimizer("sgd", network.parameters())
+    for number in range(STEPS):
+        order.set_epoch(steps[number]["epoch"])
+        index = torch.tensor(
+            order.indices(steps[number]["cursor"], steps[number]["cursor"] + sum(steps[number]["sizes"]))
+        )
+        optimizer.zero_grad()
+        F.cross_entropy(network(data.x[index]), data.y[index]).backward()
+        optimizer.step()
+    for name in ("r0", "r2"):
+        trained = torch.load(killed_and_joined / f"{name}.pt")
+        for key, value in network.state_dict().items():
+            torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
