@@ -78,6 +78,42 @@ def set_epoch_length(trainer: Any, loader: Any, num_batches: int | float) -> boo
     return True
 
 
+def fit_progress(trainer: Any) -> dict[str, int]:
+    """Where ``trainer``'s fit loop is, between two training batches: its epoch, the batches it finished in the
+    epoch, and its optimizer steps (``global_step``)."""
+    why = "read where a fit loop is, for a replica that joins a running job"
+    fit_loop = trainer.fit_loop
+    epoch_loop = _attribute(fit_loop, "epoch_loop", "lightning", why)
+    batches = _attribute(epoch_loop, "batch_progress", "lightning", why)
+    return {
+        "epoch": int(trainer.current_epoch),
+        "batches_in_epoch": int(batches.current.completed),
+        "global_step": int(trainer.global_step),
+    }
+
+
+def set_fit_progress(trainer: Any, epoch: int, batches_in_epoch: int, global_step: int) -> None:
+    """Put ``trainer``'s fit loop, between two training batches of automatic optimisation, where another
+    replica's is (:func:`fit_progress`): as if it had trained every epoch, batch and optimizer step before."""
+    why = "move a joining replica's fit loop to where the job is"
+    fit_loop = trainer.fit_loop
+    epochs = _attribute(fit_loop, "epoch_progress", "lightning", why)
+    for tracker in (epochs.current, epochs.total):  # the epoch `epoch` is under way
+        tracker.ready, tracker.started, tracker.processed, tracker.completed = epoch + 1, epoch + 1, epoch, epoch
+    epoch_loop = _attribute(fit_loop, "epoch_loop", "lightning", why)
+    batches = _attribute(epoch_loop, "batch_progress", "lightning", why)
+    for tracker, count in ((batches.current, batches_in_epoch), (batches.total, global_step)):
+        tracker.ready = tracker.started = tracker.processed = tracker.completed = count
+    optimization = _attribute(epoch_loop, "automatic_optimization", "lightning", why)
+    optimizer = _attribute(optimization, "optim_progress", "lightning", why).optimizer
+    for progress in (optimizer.step, optimizer.zero_grad):
+        progress.total.ready = progress.total.completed = global_step
+        if hasattr(progress.total, "started"):
+            progress.total.started = global_step
+    _attribute(epoch_loop, "_batches_that_stepped", "lightning", why)
+    epoch_loop._batches_that_stepped = global_step
+
+
 def layer_sync(strategy: Any) -> Any:
     """The ``LayerSync`` plugin Lightning gave ``strategy`` (``sync_batchnorm=True``: ``TorchSyncBatchNorm``)."""
     return _attribute(strategy, "_layer_sync", "lightning", "synchronise BatchNorm over uneven batches")

@@ -38,16 +38,18 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
+from torch.utils.data import default_collate
 
 from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix.control.allocation import split_in_proportion
+from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.data.sampler import EpochPermutation
 from lightning_dynamix.data.schedule import final_step_sizes
 
@@ -391,3 +393,64 @@ class FaultTolerantReplica:
     def close(self) -> None:
         """Leave the job: the others go on without this replica."""
         self.manager.shutdown(wait=False)
+
+
+def steps_left_in_epoch(num_samples: int, global_batch: int, cursor: int) -> int:
+    """The most steps an epoch can still take from ``cursor`` (with one participant, whose final step comes last)."""
+    steps = 0
+    while cursor < num_samples:
+        remaining = num_samples - cursor
+        cursor += remaining if remaining < global_batch + 1 else global_batch
+        steps += 1
+    return steps
+
+
+class StepBatches:
+    """This replica's batches for the rest of its current epoch, each planned when it is asked for.
+
+    Iterating runs :meth:`FaultTolerantReplica.begin_step` for every batch, then reads the plan's samples
+    from ``dataset`` and collates them, in this process. It stops where the replica's epoch ends (a
+    committed step past its last sample). Its length is the most steps the epoch can still take.
+    A participant without samples at a step (more participants than samples at an epoch's end) gets
+    :class:`~lightning_dynamix.data.loader.EmptyBatch`.
+
+    Args:
+        replica: the replica whose steps these are.
+        dataset: a map-style dataset of ``replica.num_samples`` samples.
+        collate_fn: makes a batch of a list of samples.
+        batch_size: the size this replica asks for at every step (``None``: an even share).
+    """
+
+    def __init__(
+        self,
+        replica: FaultTolerantReplica,
+        dataset: Any,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        batch_size: int | None = None,
+    ) -> None:
+        if batch_size is not None:
+            require_int("batch_size", batch_size, 1)
+        self.replica = replica
+        self.dataset = dataset
+        self.collate_fn = collate_fn if collate_fn is not None else default_collate
+        self.batch_size = batch_size
+        self.plan: StepPlan | None = None
+        """The plan of the batch handed out last."""
+
+    def __len__(self) -> int:
+        return steps_left_in_epoch(self.replica.num_samples, self.replica.global_batch_size, self.replica.cursor)
+
+    def next_batch(self) -> Any:
+        """The next step's batch (its plan in :attr:`plan`), whatever the epoch."""
+        self.plan = self.replica.begin_step(self.batch_size)
+        if not self.plan.indices:
+            return EmptyBatch()
+        return self.collate_fn([self.dataset[i] for i in self.plan.indices])
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self.replica.epoch
+        while self.replica.epoch == epoch:
+            batch = self.next_batch()
+            # a replica that joined received the job's position with its state: its epoch is the job's
+            epoch = self.plan.epoch if self.plan is not None else epoch
+            yield batch

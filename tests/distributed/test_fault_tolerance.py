@@ -1,4 +1,7 @@
-"""Per-step fault tolerance on torchft: replicas killed and joining while the others keep training."""
+"""Per-step fault tolerance on torchft: replicas killed and joining while the others keep training.
+
+The same timeline runs twice: replicas of a plain PyTorch loop on FaultTolerantReplica, and of a Lightning
+Trainer with FaultTolerantStrategy."""
 
 from __future__ import annotations
 
@@ -27,10 +30,10 @@ NUM_SAMPLES, GLOBAL_BATCH, STEPS, SEED = 120, 12, 24, 3  # as in ft_replica_job.
 
 
 def start_replica(
-    lighthouse: str, name: str, out: Path, batch_size: int, pause: float, join_file: Path | None = None
+    job: str, lighthouse: str, name: str, out: Path, batch_size: int, pause: float, join_file: Path | None = None
 ) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(JOBS / "ft_replica_job.py"), lighthouse, name, str(out), str(batch_size), str(pause)]
+    command = [sys.executable, str(JOBS / job), lighthouse, name, str(out), str(batch_size), str(pause)]
     command += [str(join_file)] if join_file is not None else []
     with (out / f"{name}.log").open("w") as log:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -49,16 +52,16 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def killed_and_joined(tmp_path_factory):
+@pytest.fixture(scope="module", params=["ft_replica_job.py", "ft_lightning_job.py"], ids=["loop", "lightning"])
+def killed_and_joined(request, tmp_path_factory):
     """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice) in its
     sixth step, and r2 joins once r0 has committed eight steps; r0 and r2 train to the job's end."""
     out = tmp_path_factory.mktemp("ft")
     join = out / "join"
     with Lighthouse(min_replicas=1, heartbeat_timeout=0.5) as lighthouse:
-        r0 = start_replica(lighthouse.address, "r0", out, 8, 0.2)
-        r1 = start_replica(lighthouse.address, "r1", out, 4, 0.2)
-        r2 = start_replica(lighthouse.address, "r2", out, 2, 0.2, join_file=join)
+        r0 = start_replica(request.param, lighthouse.address, "r0", out, 8, 0.2)
+        r1 = start_replica(request.param, lighthouse.address, "r1", out, 4, 0.2)
+        r2 = start_replica(request.param, lighthouse.address, "r2", out, 2, 0.2, join_file=join)
         processes = [r0, r1, r2]
         try:
             inside = out / "r1.training"
@@ -108,14 +111,11 @@ def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(k
 
 def test_the_killed_replicas_step_is_trained_again_by_the_survivors_and_a_joiner_takes_its_share(killed_and_joined):
     r0 = steps_of(killed_and_joined, "r0")
-    failed = [s for s in r0 if not s["committed"]]
-    assert failed, "the step r1 died in was committed"
-    first = failed[0]
-    assert first["sizes"] == [8, 4]
-    assert first["step"] == 5
-    # the same global batch again, over the survivor alone: nothing lost, nothing trained twice
-    again = next(s for s in r0 if s["committed"] and s["step"] == first["step"])
-    assert (again["epoch"], again["cursor"], again["sizes"]) == (first["epoch"], first["cursor"], [12])
+    # r1 died inside step 5: that step was not committed, and r0 trained its global batch again, alone
+    before, again = (next(s for s in r0 if s["committed"] and s["step"] == n) for n in (4, 5))
+    assert (before["sizes"], before["failed"]) == ([8, 4], 0)
+    assert (again["cursor"], again["sizes"], again["failed"]) == (before["cursor"] + GLOBAL_BATCH, [12], 1)
+    assert 5 not in {s["step"] for s in steps_of(killed_and_joined, "r1") if s["committed"]}
     # r2 received the state from r0 (no file) and trained its share: 2 of every 10 asked for
     r2 = [s for s in steps_of(killed_and_joined, "r2") if s["committed"]]
     assert r2
@@ -123,6 +123,16 @@ def test_the_killed_replicas_step_is_trained_again_by_the_survivors_and_a_joiner
     full = [s for s in r2 if s["cursor"] + GLOBAL_BATCH + 2 <= NUM_SAMPLES]
     assert full
     assert all(s["sizes"] == [10, 2] for s in full)
+    assert all(s["failed"] == 0 for s in r2)
+
+
+def test_lightning_counts_one_optimizer_step_per_committed_step_on_every_replica_a_joiner_included(killed_and_joined):
+    if not (killed_and_joined / "r0.jsonl").read_text().count('"global_step"'):
+        pytest.skip("the plain loop has no Trainer")
+    for name in ("r0", "r2"):
+        for step in steps_of(killed_and_joined, name):
+            assert step["global_step"] == step["step"] + 1, (name, step)
+            assert step["current_epoch"] == step["epoch"], (name, step)
 
 
 def test_the_committed_steps_equal_one_process_trained_on_the_same_global_batches(killed_and_joined):

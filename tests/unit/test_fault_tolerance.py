@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dynamix.distributed import free_port
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica, Lighthouse, participant_sizes
+from lightning_dynamix.strategies import FaultTolerantStrategy
+from tests.distributed.jobs.common import Net, quiet_trainer
 
 
 def test_an_unreachable_lighthouse_is_refused_at_once_naming_its_address():
@@ -44,3 +47,22 @@ def test_participants_split_the_global_batch_in_proportion_and_the_epoch_end_tak
 def test_bad_arguments_are_refused_naming_them(build, argument):
     with Lighthouse() as lighthouse, pytest.raises(ValueError, match=f"`{argument}`"):
         build(lighthouse.address)
+
+
+def test_the_strategy_needs_a_lighthouse_and_refuses_what_it_cannot_do(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="`lighthouse`"):
+        FaultTolerantStrategy(12)
+    with pytest.raises(ValueError, match="`lighthouse`"):
+        FaultTolerantStrategy(12, lighthouse="nowhere")
+    with pytest.raises(ValueError, match="`global_batch_size`"):
+        FaultTolerantStrategy(0, lighthouse="http://127.0.0.1:29510")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    assert FaultTolerantStrategy(12).lighthouse == "http://127.0.0.1:29510"
+    for kwargs, message in (({"accumulate_grad_batches": 2}, "accumulate"),):
+        trainer = quiet_trainer(strategy=FaultTolerantStrategy(12), devices=1, max_steps=1, **kwargs)
+        with pytest.raises(MisconfigurationException, match=message):
+            trainer.fit(Net(num_samples=24))
+    manual = Net(num_samples=24, manual=True)
+    with pytest.raises(MisconfigurationException, match="automatic optimisation"):
+        quiet_trainer(strategy=FaultTolerantStrategy(12), devices=1, max_steps=1).fit(manual)

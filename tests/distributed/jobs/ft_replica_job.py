@@ -76,6 +76,8 @@ while replica.step < STEPS:
         "sizes": list(plan.batch_sizes),
         "indices": plan.indices,
         "committed": committed,
+        "failed": replica.failed,
+        "time": time.time(),
     }
     log.write(json.dumps(line) + "\n")
     log.flush()

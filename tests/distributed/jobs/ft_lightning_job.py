@@ -1,0 +1,68 @@
+"""One replica of a fault-tolerant Lightning job (FaultTolerantStrategy), to max_steps.
+
+Usage: python ft_lightning_job.py LIGHTHOUSE REPLICA_ID OUT_DIR BATCH_SIZE STEP_SECONDS [JOIN_FILE]
+
+Writes OUT_DIR/REPLICA_ID.jsonl, one line per training batch (the plan it committed: every batch is, the trainer's
+epoch and global step, the steps it saw fail so far), and OUT_DIR/REPLICA_ID.pt with its final
+parameters. STEP_SECONDS sleeps in each training step, having written its global step to
+OUT_DIR/REPLICA_ID.training, so a test can kill it mid-step. With JOIN_FILE it starts once that
+file exists.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import Net, quiet_trainer
+from lightning.pytorch import Callback
+
+from lightning_dynamix.strategies import FaultTolerantStrategy
+
+NUM_SAMPLES, GLOBAL_BATCH, STEPS = 120, 12, 24
+
+lighthouse, replica_id, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+batch_size, pause = int(sys.argv[4]), float(sys.argv[5])
+join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+
+
+class Slow(Net):
+    def training_step(self, batch, batch_idx):
+        (out / f"{replica_id}.training").write_text(str(self.trainer.global_step))
+        time.sleep(pause)
+        return super().training_step(batch, batch_idx)
+
+
+class Log(Callback):
+    def __init__(self):
+        self.file = (out / f"{replica_id}.jsonl").open("a")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        plan, replica = trainer.strategy.committed_plan, trainer.strategy.replica
+        line = {
+            "step": plan.step,
+            "epoch": plan.epoch,
+            "cursor": plan.cursor,
+            "participant": plan.participant,
+            "sizes": list(plan.batch_sizes),
+            "indices": plan.indices,
+            "committed": True,
+            "global_step": trainer.global_step,
+            "current_epoch": trainer.current_epoch,
+            "failed": replica.failed,
+            "time": time.time(),
+        }
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
+while join_file is not None and not join_file.exists():
+    time.sleep(0.01)
+strategy = FaultTolerantStrategy(
+    GLOBAL_BATCH, lighthouse=lighthouse, replica_id=replica_id, batch_size=batch_size, seed=3, timeout=5.0
+)
+model = Slow(num_samples=NUM_SAMPLES)
+trainer = quiet_trainer(strategy=strategy, devices=1, max_steps=STEPS, callbacks=[Log()], limit_val_batches=0)
+trainer.fit(model)
+torch.save({k: v.clone() for k, v in model.net.state_dict().items()}, out / f"{replica_id}.pt")
