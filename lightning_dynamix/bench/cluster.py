@@ -172,11 +172,12 @@ class LocalElasticCluster:
         except psutil.NoSuchProcess:
             return []
 
-    def preempt(self, name: str) -> None:
-        """A spot machine taken back: SIGTERM to every process of the node, as its shutdown sends."""
+    def preempt(self, name: str, signal_number: int = signal.SIGTERM) -> None:
+        """A spot machine taken back: SIGTERM to every process of the node, as its shutdown sends (SIGKILL: a
+        machine lost without notice)."""
         for process in self.processes(name):
             with contextlib.suppress(psutil.NoSuchProcess):
-                process.send_signal(signal.SIGTERM)
+                process.send_signal(signal_number)
 
     def wait(self, names: list[str], timeout: float) -> dict[str, int | None]:
         """Each node's agent's exit code, waiting up to ``timeout`` seconds in all (None: still running)."""

@@ -12,7 +12,16 @@ scenarios (``--scenarios``) run back to back, each a new job:
   starts again, torch elastic stops the two (they save again) and restarts three;
 * ``periodic (Lightning's default)``: the same events, with a ModelCheckpoint at Lightning's
   default cadence (after every validation) instead: each restart resumes the last periodic
-  checkpoint and trains again what came after it.
+  checkpoint and trains again what came after it;
+* ``per-step (torchft)``: no torch elastic and no restart: one process per node, each a replica of a
+  :class:`~lightning_dynamix.strategies.FaultTolerantStrategy` job meeting at a lighthouse the bench
+  starts, asking for a batch in proportion to its speed (the same global batch). The notice kills the
+  node's process; the survivors train again the step it died in and go on; the node's new process joins
+  with the state of a peer.
+
+``--signal kill`` makes every notice a SIGKILL (a machine lost without notice): nothing can be saved,
+so torch elastic's scenarios go back to the last checkpoint on disk, and its survivors wait for their
+collectives to time out.
 
 Per scenario: the steps trained twice (work lost), the seconds from the notice to training again
 and to being back at the step the notice came at, the seconds from the node's return to training on
@@ -27,13 +36,16 @@ import argparse
 import contextlib
 import itertools
 import json
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.bench.cluster import LocalElasticCluster
+from lightning_dynamix.bench.cluster import LocalElasticCluster, job_environment
 from lightning_dynamix.bench.experiments import floats
 from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
@@ -42,6 +54,7 @@ SCENARIOS = {  # key on the command line: (name in the results, what the worker 
     "never": ("never preempted", None),
     "preemption": ("PreemptionCheckpoint", "preemption"),
     "periodic": ("periodic (Lightning's default)", "periodic"),
+    "torchft": ("per-step (torchft)", "torchft"),
 }
 
 
@@ -80,6 +93,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(SCENARIOS),
         help=f"comma-separated, run in this order each round (default {','.join(SCENARIOS)})",
     )
+    parser.add_argument(
+        "--signal",
+        choices=("term", "kill"),
+        default="term",
+        help="what the preempted node gets: term (a notice, SIGTERM) or kill (SIGKILL, no notice); default term",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.5,
+        help="per-step (torchft): seconds without a replica's heartbeat before the lighthouse drops it (0.5)",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="times each scenario runs, interleaved (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data, weights and order (default 0)")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the jobs' logs and timelines here")
@@ -102,6 +127,10 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("rounds", "epochs", "num_samples", "batch_size", "val_checks", "interval"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.heartbeat_timeout <= 0:
+        raise SystemExit(f"--heartbeat-timeout must be > 0 seconds, got {args.heartbeat_timeout}")
+    if args.links is not None and "torchft" in args.scenarios:
+        raise SystemExit("dynamix bench elastic: --links is not supported with the torchft scenario yet")
     if args.links is not None:
         try:
             args.links = parse_links(args.links, len(args.speeds))
@@ -146,12 +175,16 @@ def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: 
         "val_checks_per_epoch": args.val_checks,
         "seed": args.seed,
         "timeout": 60,
+        "speeds": dict(zip(names, args.speeds, strict=True)),
+        "ft_timeout": 10.0,
     }
     (out / "config.json").write_text(json.dumps(config))
     steps_per_epoch = args.num_samples // (len(names) * args.batch_size)
     preempt_step = round(args.preempt_at * steps_per_epoch)
     back_step = round(args.back_at * steps_per_epoch)
     events: dict[str, float] = {}
+    if mode == "torchft":
+        return _run_replicas(args, out, names, fastest, preempt_step, back_step)
     nnodes = f"{len(names) - 1}:{len(names)}"
     command = ["-m", "lightning_dynamix.bench.elastic_worker", str(out)]
     with contextlib.ExitStack() as stack:
@@ -162,7 +195,7 @@ def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: 
         if mode is not None:
             _wait_for_step(out, cluster, preempt_step)
             events["notice"] = time.time()
-            cluster.preempt(fastest)
+            cluster.preempt(fastest, signal.SIGKILL if args.signal == "kill" else signal.SIGTERM)
             _wait_for_step(out, cluster, back_step)
             events["back"] = time.time()
             cluster.add_node(fastest)
@@ -174,6 +207,111 @@ def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: 
             logs = "\n".join(f"--- {name}\n{cluster.log(name)[-2000:]}" for name in names)
             raise RuntimeError(f"{run_id}: agents exited with {codes}\n{logs}")
     return summarise(_timeline(out), events, args.target)
+
+
+def _run_replicas(
+    args: argparse.Namespace, out: Path, names: list[str], fastest: str, preempt_step: int, back_step: int
+) -> dict[str, Any]:
+    """The torchft scenario: a lighthouse here, one replica process per node (see the module docstring)."""
+    from lightning_dynamix.distributed.fault_tolerance import Lighthouse
+
+    events: dict[str, float] = {}
+    processes: dict[str, subprocess.Popen] = {}
+    with Lighthouse(min_replicas=1, heartbeat_timeout=args.heartbeat_timeout) as lighthouse:
+        env = job_environment(TORCHFT_LIGHTHOUSE=lighthouse.address)
+
+        def start(name: str, attempt: int) -> None:
+            with (out / f"{name}.{attempt}.log").open("w") as log:
+                processes[name] = subprocess.Popen(
+                    [sys.executable, "-m", "lightning_dynamix.bench.elastic_worker", str(out), name],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+
+        try:
+            for name in names:
+                start(name, 1)
+            _wait_for_steps(out, processes, preempt_step)
+            events["notice"] = time.time()
+            processes[fastest].send_signal(signal.SIGKILL if args.signal == "kill" else signal.SIGTERM)
+            processes[fastest].wait(timeout=60)
+            _wait_for_steps(out, processes, back_step)
+            events["back"] = time.time()
+            start(fastest, 2)
+            codes = {name: processes[name].wait(timeout=900) for name in names}
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+    if any(code != 0 for code in codes.values()):
+        logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(out.glob("*.log")))
+        raise RuntimeError(f"torchft replicas exited with {codes}\n{logs}")
+    return summarise_replicas(_timeline(out), events, args.target, len(names))
+
+
+def _wait_for_steps(out: Path, processes: dict[str, subprocess.Popen], step: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["event"] == "step" and e["step"] >= step for e in _timeline(out)):
+            return
+        if all(process.poll() is not None for process in processes.values()):
+            break
+        time.sleep(0.05)
+    raise RuntimeError(f"the replicas did not reach step {step}; logs in {out}")
+
+
+def summarise_replicas(
+    timeline: list[dict[str, Any]], events: dict[str, float], target: float, nodes: int
+) -> dict[str, Any]:
+    """The torchft scenario's figures, as :func:`summarise` gives torch elastic's: nothing is restored from a
+    file, so no committed step is lost; ``steps_trained_again`` is the most steps a replica saw fail (not
+    committed, trained again), and the pauses are read from the committed steps' times."""
+    steps = sorted((e for e in timeline if e["event"] == "step"), key=lambda e: e["t"])
+    first = {}  # each committed step's first report
+    for e in steps:
+        first.setdefault(e["step"], e)
+    committed = sorted(first.values(), key=lambda e: e["t"])
+    t0 = committed[0]["t"]
+    result: dict[str, Any] = {
+        "launches": [[nodes, 0]],
+        "steps": committed[-1]["step"],
+        "steps_lost": 0,
+        "steps_trained_again": max((e.get("failed", 0) for e in steps), default=0),
+        "seconds_to_end": committed[-1]["t"] - t0,
+    }
+    if "notice" in events:
+        notice, back = events["notice"], events["back"]
+        before = [e for e in committed if e["t"] <= notice]
+        reached = before[-1]["step"] if before else 0
+        after = [e for e in committed if e["t"] > notice]
+        # the first step committed without the node: the survivors training again
+        alone = next((e for e in after if e["world"] < nodes), None)
+        result["notice_to_training"] = None if alone is None else alone["t"] - notice
+        caught_up = next((e for e in after if e["step"] > reached), None)
+        result["notice_to_step_reached"] = None if caught_up is None else caught_up["t"] - notice
+        on_all = next((e for e in committed if e["t"] > back and e["world"] == nodes), None)
+        result["back_to_training_on_all"] = None if on_all is None else on_all["t"] - back
+        # what the others saw: the longest wait between two committed steps, up to the first one without the
+        # node and up to the first one with it again, beside the median wait
+        times = [e["t"] for e in committed]
+        gaps = [b - a for a, b in itertools.pairwise(times)]
+        result["median_step_seconds"] = statistics.median(gaps) if gaps else None
+
+        def longest_wait(since: float, until: dict[str, Any] | None) -> float | None:
+            if until is None:
+                return None
+            return max((b - a for a, b in itertools.pairwise(times) if b > since and b <= until["t"]), default=None)
+
+        result["pause_on_leave"] = longest_wait(notice, alone)
+        result["pause_on_join"] = longest_wait(back, on_all)
+        result["back_after_the_end"] = on_all is None
+        result["launches"] = [[nodes, 0], [nodes - 1, reached], [nodes, None if on_all is None else on_all["step"]]]
+    validations = [e for e in timeline if e["event"] == "val"]
+    reached_target = next((e for e in validations if e["accuracy"] >= target), None)
+    result["time_to_target"] = None if reached_target is None else reached_target["t"] - t0
+    result["final_accuracy"] = validations[-1]["accuracy"] if validations else None
+    return result
 
 
 def summarise(timeline: list[dict[str, Any]], events: dict[str, float], target: float) -> dict[str, Any]:
@@ -272,5 +410,14 @@ def _print_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namesp
             f" {cell(_median(runs, 'time_to_target'))} ({reached}/{len(runs)}) |"
             f" {cell(_median(runs, 'seconds_to_end'))} | {cell(_median(runs, 'final_accuracy'), 3)} |"
         )
+    for name, runs in results.items():
+        if any("pause_on_leave" in r for r in runs):
+            leave, join = cell(_median(runs, "pause_on_leave"), 2), cell(_median(runs, "pause_on_join"), 2)
+            step = cell(_median(runs, "median_step_seconds"), 3)
+            again = cell(_median(runs, "steps_trained_again"), 0)
+            print(
+                f"{name}: the others' longest wait between two committed steps: {leave} s at the leave,"
+                f" {join} s at the join; a step took {step} s; steps trained again: {again} (medians)"
+            )
     for note in notes:
         print(note)

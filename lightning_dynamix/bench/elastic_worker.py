@@ -1,6 +1,6 @@
 """One worker of ``dynamix bench elastic``, started by a torchrun agent (one process per node).
 
-Usage: python -m lightning_dynamix.bench.elastic_worker OUT_DIR
+Usage: python -m lightning_dynamix.bench.elastic_worker OUT_DIR [NODE]
 
 ``OUT_DIR/config.json`` says what to train and how to survive a change of nodes:
 ``"preemption"`` (PreemptionCheckpoint: every rank saves the step a notice arrives at) or
@@ -8,6 +8,12 @@ Usage: python -m lightning_dynamix.bench.elastic_worker OUT_DIR
 from the last one). Every launch (each group torch elastic forms) resumes with
 ``ckpt_path="last"``. Global rank 0 appends its events to ``OUT_DIR/timeline`` as JSON lines:
 ``start``, ``step``, ``val`` and ``exit``, each with ``time.time()``.
+
+``"torchft"``: no torch elastic. The bench starts one process per node itself (``NODE`` its name), each a
+replica of a :class:`~lightning_dynamix.strategies.FaultTolerantStrategy` job meeting at the lighthouse in
+``TORCHFT_LIGHTHOUSE``, asking for a batch in proportion to its speed. Every replica appends its ``start``
+and committed ``step`` events (the step's participants as ``world``) to the timeline; the first node also
+its ``val`` events.
 """
 
 from __future__ import annotations
@@ -28,19 +34,32 @@ from typing_extensions import override
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator, PreemptionCheckpoint
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
 from lightning_dynamix.elastic import machine_id
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import FaultTolerantStrategy, HeterogeneousDDPStrategy
 
 
 class Timeline(Callback):
-    """Global rank 0 appends what happened, when, to a file that outlives the launch."""
+    """Global rank 0 appends what happened, when, to a file that outlives the launch.
 
-    def __init__(self, path: Path) -> None:
+    Under FaultTolerantStrategy every replica writes (``node`` names it) and ``world`` is the participants of
+    the step it committed; ``val`` events only where ``validations`` is set.
+    """
+
+    def __init__(self, path: Path, node: str | None = None, validations: bool = True) -> None:
         self.path = path
+        self.node = node
+        self.validations = validations
 
     def write(self, trainer: Trainer, event: str, **fields: Any) -> None:
-        if trainer.global_rank != 0:
+        if trainer.global_rank != 0 or (event == "val" and not self.validations):
             return
-        line = {"event": event, "t": time.time(), "world": trainer.world_size, "step": trainer.global_step, **fields}
+        world = trainer.world_size
+        plan = getattr(trainer.strategy, "committed_plan", None)
+        if plan is not None:
+            world = plan.participants
+            fields["failed"] = trainer.strategy.replica.failed  # steps not committed so far
+        line = {"event": event, "t": time.time(), "world": world, "step": trainer.global_step, **fields}
+        if self.node is not None:
+            line["node"] = self.node
         with open(self.path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -68,8 +87,64 @@ class Timeline(Callback):
         self.write(trainer, "end")
 
 
-def main(out: Path) -> None:
+class SlowCompute(Callback):
+    """A node ``factor`` times slower: after its backward pass (before the gradients are summed) it sleeps
+    ``factor - 1`` times what the step took so far. HeterogeneityEmulator does this through
+    HeterogeneousDDPStrategy, which a torchft replica does not run."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor = factor
+        self._start = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+
+    @override
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        time.sleep((self.factor - 1.0) * (time.perf_counter() - self._start))
+
+
+def fault_tolerant(out: Path, config: dict[str, Any], node: str) -> None:
+    """One replica of the torchft scenario (module docstring)."""
+    torch.set_num_threads(1)
+    speeds = config["speeds"]
+    nodes = sorted(speeds)
+    global_batch = config["batch_size"] * len(nodes)
+    first = node == nodes[0]
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=FaultTolerantStrategy(
+            global_batch,
+            replica_id=node,
+            batch_size=max(1, round(global_batch * speeds[node] / sum(speeds.values()))),
+            seed=config["seed"],
+            timeout=config["ft_timeout"],
+        ),
+        max_epochs=config["epochs"],
+        val_check_interval=1.0 / config["val_checks_per_epoch"],
+        limit_val_batches=1.0 if first else 0,
+        num_sanity_val_steps=0,
+        callbacks=[SlowCompute(config["slowdowns"][node]), Timeline(out / "timeline", node, first)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = ClassificationDataModule(
+        num_samples=config["num_samples"], batch_size=config["batch_size"], seed=config["seed"]
+    )
+    model = ClassificationTask(hidden=config["hidden"], lr=config["lr"], seed=config["seed"])
+    trainer.fit(model, datamodule=data)
+
+
+def main(out: Path, node: str | None = None) -> None:
     config = json.loads((out / "config.json").read_text())
+    if config["mode"] == "torchft":
+        assert node is not None, "a torchft replica is started with its node's name"
+        fault_tolerant(out, config, node)
+        return
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     torch.set_num_threads(1)  # the ranks share this machine's cores; the emulator's factors are per rank
     factors = [1.0] * world
@@ -105,4 +180,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)

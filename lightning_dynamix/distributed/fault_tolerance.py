@@ -276,7 +276,8 @@ class FaultTolerantReplica:
         self.committed = 0
         """Steps this replica took part in and committed."""
         self.failed = 0
-        """Steps this replica took part in that were not committed."""
+        """Steps this replica took part in that were not committed (including quorums whose members could not
+        agree on the sizes)."""
         self._plan: StepPlan | None = None
         self._user_state_dict = state_dict
         self._user_load_state_dict = load_state_dict
@@ -333,6 +334,7 @@ class FaultTolerantReplica:
             if self.manager.errored() is None:
                 break
             self.manager.should_commit()  # not committed: nothing was trained; try the next quorum
+            self.failed += 1
         asked = [float(r) for r in requests.tolist()]
         given = [r for r in asked if r > 0]
         even = sum(given) / len(given) if given else 1.0

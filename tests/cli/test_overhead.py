@@ -68,6 +68,28 @@ def test_bench_elastic_preempts_a_node_under_torch_elastic_and_loses_no_step_wit
     assert "| PreemptionCheckpoint | 0 |" in printed
 
 
+def test_bench_elastic_kills_a_torchft_replica_without_notice_and_the_others_lose_no_committed_step(tmp_path):
+    out = tmp_path / "elastic.json"
+    printed = dynamix(
+        # 10 steps per epoch; the node is killed (SIGKILL) at step 5 and started again at step 10
+        "bench", "elastic", "--scenarios", "torchft", "--signal", "kill", "--epochs", "6", "--num-samples", "3840",
+        "--val-checks", "1", "--preempt-at", "0.5", "--back-at", "1",
+        "--target", "0.5", "--workdir", str(tmp_path / "work"), "--output", str(out),
+        cwd=tmp_path,
+    )  # fmt: skip
+    (run,) = json.loads(out.read_text())["runs"]["per-step (torchft)"]
+    assert run["steps"] == 6 * 10  # every step committed, once
+    assert run["steps_lost"] == 0
+    assert run["steps_trained_again"] >= 1  # the step the node died in, by the survivors
+    assert run["launches"][1][0] == 2
+    assert run["launches"][1][1] >= 5
+    assert run["notice_to_training"] > 0
+    assert not run["back_after_the_end"]
+    assert run["launches"][2][0] == 3  # the node's new process joined the job that went on
+    assert "| per-step (torchft) | 0 |" in printed
+    assert "the others' longest wait between two committed steps" in printed
+
+
 def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_path):
     out = tmp_path / "hook.json"
     dynamix(
