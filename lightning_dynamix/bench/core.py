@@ -8,6 +8,7 @@ is :mod:`lightning_dynamix.bench.records`'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -67,6 +68,12 @@ def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
         help="add DynamixCallback (pid, a decision every --interval steps) to the heterogeneous_ddp runs",
     )
     parser.add_argument("--interval", type=int, default=10, help="steps per decision with --with-callback")
+    parser.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="instead: FaultTolerantStrategy (torchft replicas meeting at a lighthouse, no failures) against"
+        " HeterogeneousDDPStrategy with equal sizes, each process started by the bench as a node of its own",
+    )
     parser.add_argument(
         "--with-preemption",
         action="store_true",
@@ -194,8 +201,87 @@ def bootstrap_median_interval(
     return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
 
 
+def _fault_tolerant_job_step(variant: str, args: argparse.Namespace, out: Path, name: str) -> float:
+    """One job of ``--fault-tolerant``: ``args.devices`` processes started here; the slowest's median step, seconds."""
+    import subprocess
+    import sys
+
+    from lightning_dynamix.bench.cluster import job_environment, node_environment
+    from lightning_dynamix.distributed.fault_tolerance import Lighthouse
+
+    job = [str(x) for x in (args.steps, args.warmup, args.batch_size, args.features, args.hidden, args.devices)]
+    with contextlib.ExitStack() as stack:
+        lighthouse = stack.enter_context(Lighthouse(min_replicas=args.devices)) if variant == "torchft" else None
+        port = free_port()
+        processes = []
+        for rank in range(args.devices):
+            # one thread per process in both (Lightning's DDP would give a node of one process every core)
+            if lighthouse is not None:
+                env = job_environment(TORCHFT_LIGHTHOUSE=lighthouse.address, REPLICA_GROUP_ID=f"replica-{rank}")
+            else:
+                env = node_environment(rank, args.devices, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env["OMP_NUM_THREADS"] = "1"
+            command = [sys.executable, "-m", "lightning_dynamix.bench.overhead_worker"]
+            command += [str(out / f"{name}-{rank}.json"), variant, *job]
+            log = stack.enter_context((out / f"{name}-{rank}.log").open("w"))
+            processes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [process.wait(timeout=600) for process in processes]
+    if any(codes):
+        logs = "\n".join(
+            (out / f"{name}-{rank}.log").read_text(errors="replace")[-2000:] for rank in range(args.devices)
+        )
+        raise RuntimeError(f"dynamix bench overhead --fault-tolerant: {variant} exited with {codes}\n{logs}")
+    return max(
+        json.loads((out / f"{name}-{rank}.json").read_text())["median_step_seconds"] for rank in range(args.devices)
+    )
+
+
+def run_fault_tolerant_overhead(args: argparse.Namespace) -> None:
+    """FaultTolerantStrategy against HeterogeneousDDPStrategy, equal sizes, no failures, alternating ABBA."""
+    ratios, ddp_steps, ft_steps = [], [], []
+    with tempfile.TemporaryDirectory(prefix="dynamix-bench-overhead-") as tmp:
+        for round_index in range(args.rounds):
+            order = ("heterogeneous_ddp", "torchft") if round_index % 2 == 0 else ("torchft", "heterogeneous_ddp")
+            measured = {v: _fault_tolerant_job_step(v, args, Path(tmp), f"{v}-{round_index}") for v in order}
+            ddp_steps.append(measured["heterogeneous_ddp"])
+            ft_steps.append(measured["torchft"])
+            ratios.append(measured["torchft"] / measured["heterogeneous_ddp"])
+    low, high = bootstrap_median_interval(ratios)
+    result = {
+        "benchmark": "overhead",
+        "variant": "fault_tolerant (torchft) against heterogeneous_ddp",
+        "median_ratio": statistics.median(ratios),
+        "median_ratio_95ci": [low, high],
+        "ratios": ratios,
+        "median_step_ms_heterogeneous_ddp": 1e3 * statistics.median(ddp_steps),
+        "median_step_ms_fault_tolerant": 1e3 * statistics.median(ft_steps),
+        "config": arguments_record(args),
+        "machine": machine_description(),
+    }
+    print(
+        f"\ndynamix bench overhead --fault-tolerant: {args.devices} processes (gloo, CPU), batch {args.batch_size}"
+        f" per rank, {_network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
+    )
+    print(f"{'round':>5}  {'heterogeneous_ddp (ms/step)':>27}  {'fault_tolerant (ms/step)':>24}  {'ratio':>6}")
+    for i, (ddp, ft, ratio) in enumerate(zip(ddp_steps, ft_steps, ratios)):
+        print(f"{i:>5}  {1e3 * ddp:>27.2f}  {1e3 * ft:>24.2f}  {ratio:>6.3f}")
+    print(
+        f"median step-time ratio fault_tolerant / heterogeneous_ddp: {result['median_ratio']:.3f}"
+        f" (95% bootstrap interval {low:.3f} to {high:.3f}; goal <= 1.03)"
+    )
+    if args.output is not None:
+        args.output.write_text(json.dumps(result, indent=2))
+
+
 def run_overhead(args: argparse.Namespace) -> None:
     """Plain Lightning DDP against HeterogeneousDDPStrategy with equal sizes, alternating ABBA."""
+    if args.fault_tolerant:
+        if args.with_callback or args.with_preemption:
+            raise SystemExit(
+                "dynamix bench overhead: --fault-tolerant runs neither --with-callback nor --with-preemption"
+            )
+        run_fault_tolerant_overhead(args)
+        return
     torch.set_num_threads(1)  # one thread per process: two processes competing for each core blur the difference
     ratios, plain_steps, ours_steps = [], [], []
     costs: list[float] = []  # the callback's own seconds per step, rank 0, one per run with it

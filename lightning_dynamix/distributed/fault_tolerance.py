@@ -361,13 +361,16 @@ class FaultTolerantReplica:
         params = [p for p in parameters if p.requires_grad]
         if not params:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads]) * (plan.batch_size / plan.global_batch)
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        flat.mul_(plan.batch_size / plan.global_batch)
         self.manager.allreduce(flat, reduce_op=torch.distributed.ReduceOp.SUM).wait()
         offset = 0
         for p in params:
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
             offset += n
 
     def commit(self) -> bool:
