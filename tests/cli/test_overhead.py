@@ -20,7 +20,7 @@ def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert len(result["ratios"]) == 2
+    assert len(result["ratios"]) == 1
     assert result["median_ratio"] > 0
     assert result["machine"]["cpus"] == os.cpu_count()
 
@@ -88,6 +88,20 @@ def test_bench_elastic_kills_a_torchft_replica_without_notice_and_the_others_los
     assert run["launches"][2][0] == 3  # the node's new process joined the job that went on
     assert "| per-step (torchft) | 0 |" in printed
     assert "the others' longest wait between two committed steps" in printed
+
+
+def test_bench_overhead_times_fault_tolerant_replicas_beside_heterogeneous_ddp_nodes(tmp_path):
+    out = tmp_path / "overhead.json"
+    printed = dynamix(
+        "bench", "overhead", "--fault-tolerant", "--rounds", "1", "--steps", "5", "--warmup", "2",
+        "--features", "16", "--hidden", "32", "--batch-size", "8", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["variant"] == "fault_tolerant (torchft) against heterogeneous_ddp"
+    assert len(result["ratios"]) == 1
+    assert result["median_step_ms_fault_tolerant"] > 0
+    assert result["median_step_ms_heterogeneous_ddp"] > 0
+    assert "median step-time ratio fault_tolerant / heterogeneous_ddp" in printed
 
 
 def test_bench_hook_compares_the_weighted_hook_with_the_built_in_reduction(tmp_path):
