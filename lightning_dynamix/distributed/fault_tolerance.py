@@ -417,7 +417,6 @@ class FaultTolerantReplica:
             module, process_group=ProcessGroupDummy(0, 1), device_ids=device_ids, find_unused_parameters=True
         )
 
-
         def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's annotations: none here
             return self.gradient_hook(state, bucket)
 
