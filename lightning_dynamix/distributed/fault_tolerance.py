@@ -20,8 +20,6 @@ own. Every step:
 2. The caller trains on :attr:`StepPlan.indices` and calls :meth:`~FaultTolerantReplica.sync_gradients`:
    each participant's gradient (the mean over its own ``b_p`` samples) is weighted by ``b_p / B`` and
    summed, so the result is exactly the mean gradient over the step's global batch, whoever took part.
-   :meth:`~FaultTolerantReplica.wrap` does the same in buckets during the backward pass, through a
-   ``DistributedDataParallel`` communication hook.
 3. :meth:`~FaultTolerantReplica.commit` asks torchft whether the step may be committed. Only then does
    the caller step its optimizer, and the cursor moves past the step's ``B`` samples. A step that is not
    committed (a participant died, the group was being rebuilt) leaves the cursor where it was, so the
@@ -287,7 +285,6 @@ class FaultTolerantReplica:
         self._store = TCPStore(host, 0, world_size=1, is_master=True, wait_for_workers=False)
         pg_timeout = timedelta(seconds=timeout)
         pg = torchft.ProcessGroupGloo(timeout=pg_timeout) if backend == "gloo" else torchft.ProcessGroupNCCL(pg_timeout)
-        self._pg = pg
         self.manager = torchft.Manager(
             pg=pg,
             load_state_dict=self._load_state_dict,
@@ -375,53 +372,6 @@ class FaultTolerantReplica:
             n = p.numel()
             p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
             offset += n
-
-    def gradient_hook(self, state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        """A DDP communication hook that does :meth:`sync_gradients`' sum one bucket at a time, while the
-        backward pass goes on: the bucket weighted by ``b_p / B`` and summed over the step's participants.
-
-        For a ``DistributedDataParallel`` over a process group of its own process alone (the sum goes
-        through this replica's group, whatever the quorum): see :meth:`wrap`. A failure is reported to
-        torchft, which then does not commit the step.
-        """
-        plan = self._require_plan()
-        buffer = bucket.buffer()
-        if self.manager.errored() is not None:  # the step will not be committed: nothing to sum
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(buffer)
-            return done
-        buffer.mul_(plan.batch_size / plan.global_batch)
-        options = torch.distributed.AllreduceOptions()
-        options.reduceOp = torch.distributed.ReduceOp.SUM
-        try:
-            work = self._pg.allreduce([buffer], options)
-        except Exception as error:  # a member gone while the group is used: the step fails, as torchft's own
-            self.manager.report_error(error)
-            failed: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            failed.set_result(buffer)
-            return failed
-
-        def summed(future: torch.futures.Future[Any]) -> torch.Tensor:
-            future.wait()  # raises the collective's error, which wrap_future reports to torchft
-            return buffer
-
-        return self.manager.wrap_future(work.get_future().then(summed), buffer)
-
-    def wrap(self, module: torch.nn.Module, device_ids: list[int] | None = None) -> torch.nn.Module:
-        """``module`` in a ``DistributedDataParallel`` whose gradients :meth:`gradient_hook` sums, in buckets
-        during the backward pass (instead of :meth:`sync_gradients` after it). Its buckets are never rebuilt,
-        so a replica that joins sums the same buckets as the others."""
-        from torchft.process_group import ProcessGroupDummy
-
-        wrapped = torch.nn.parallel.DistributedDataParallel(
-            module, process_group=ProcessGroupDummy(0, 1), device_ids=device_ids, find_unused_parameters=True
-        )
-
-        def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's annotations: none here
-            return self.gradient_hook(state, bucket)
-
-        wrapped.register_comm_hook(None, hook)
-        return wrapped
 
     def commit(self) -> bool:
         """Whether the step is committed: step the optimizer only then. A committed step moves the cursor

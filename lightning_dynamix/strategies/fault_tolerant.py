@@ -7,9 +7,8 @@ single-device run. The replicas meet through torchft's lighthouse before every s
 * the training DataLoader is replaced by :class:`~lightning_dynamix.distributed.fault_tolerance.StepBatches`:
   each batch is planned when Lightning asks for it, from the step's quorum (Lightning reads a DataLoader
   of known length one batch at a time, so no batch is read before the previous step committed);
-* the LightningModule is wrapped in a ``DistributedDataParallel`` whose communication hook weights each
-  gradient bucket by this replica's share of the step's global batch and sums it over the participants,
-  while the backward pass goes on; then the step is committed or not. A step that is not committed (a
+* after the backward pass the gradient is weighted by this replica's share of the step's global batch and
+  summed over the participants, and the step is committed or not. A step that is not committed (a
   participant died) is trained again, inside the same Lightning batch, on the next quorum's plan: to
   Lightning every batch is one committed optimizer step, so its step counters, learning-rate schedules
   and ``max_steps`` stay those of one job;
@@ -178,9 +177,6 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                 f"FaultTolerantStrategy: the training data changed from {self.replica.num_samples} samples"
                 f" to {len(dataloader.dataset)}."  # type: ignore[arg-type]
             )
-        if self.model is self.lightning_module:  # the gradients summed in buckets during the backward pass
-            device_ids = [self.root_device.index or 0] if self.root_device.type == "cuda" else None
-            self.model = self.replica.wrap(self.lightning_module, device_ids)
         self._batches = StepBatches(self.replica, dataloader.dataset, dataloader.collate_fn, batch_size)
         return self._batches
 
@@ -230,7 +226,8 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         assert replica is not None
         assert batches is not None
         assert module is not None
-        while True:  # the gradients were summed by the replica's hook during the backward pass
+        while True:
+            replica.sync_gradients(module.parameters())
             plan = batches.plan
             if replica.commit():
                 self.committed_plan = plan
