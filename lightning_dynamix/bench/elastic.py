@@ -56,6 +56,7 @@ SCENARIOS = {  # key on the command line: (name in the results, what the worker 
     "periodic": ("periodic (Lightning's default)", "periodic"),
     "torchft": ("per-step (torchft)", "torchft"),
 }
+RESTART_SCENARIOS = ("never", "preemption", "periodic")  # the default: torch elastic's
 
 
 def _scenarios(text: str) -> list[str]:
@@ -90,8 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scenarios",
         type=_scenarios,
-        default=list(SCENARIOS),
-        help=f"comma-separated, run in this order each round (default {','.join(SCENARIOS)})",
+        default=list(RESTART_SCENARIOS),
+        help=f"comma-separated, run in this order each round, of {','.join(SCENARIOS)}"
+        f" (default {','.join(RESTART_SCENARIOS)})",
     )
     parser.add_argument(
         "--signal",

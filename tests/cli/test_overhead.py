@@ -20,7 +20,7 @@ def test_bench_overhead_reports_a_ratio_per_round(tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
-    assert len(result["ratios"]) == 1
+    assert len(result["ratios"]) == 2
     assert result["median_ratio"] > 0
     assert result["machine"]["cpus"] == os.cpu_count()
 
@@ -80,7 +80,7 @@ def test_bench_elastic_kills_a_torchft_replica_without_notice_and_the_others_los
     (run,) = json.loads(out.read_text())["runs"]["per-step (torchft)"]
     assert run["steps"] == 6 * 10  # every step committed, once
     assert run["steps_lost"] == 0
-    assert run["steps_trained_again"] >= 1  # the step the node died in, by the survivors
+    assert run["steps_trained_again"] <= 1  # the step the node died in, if it died inside one
     assert run["launches"][1][0] == 2
     assert run["launches"][1][1] >= 5
     assert run["notice_to_training"] > 0

@@ -54,8 +54,9 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module", params=["ft_replica_job.py", "ft_lightning_job.py"], ids=["loop", "lightning"])
 def killed_and_joined(request, tmp_path_factory):
-    """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice) in its
-    sixth step, and r2 joins once r0 has committed eight steps; r0 and r2 train to the job's end."""
+    """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice) inside a
+    step after three it trained beside r0, and r2 joins once r0 has committed eight steps; r0 and r2 train to
+    the job's end. The step r1 died in is written to ``killed``."""
     out = tmp_path_factory.mktemp("ft")
     join = out / "join"
     with Lighthouse(min_replicas=1, heartbeat_timeout=0.5) as lighthouse:
@@ -64,8 +65,12 @@ def killed_and_joined(request, tmp_path_factory):
         r2 = start_replica(request.param, lighthouse.address, "r2", out, 2, 0.2, join_file=join)
         processes = [r0, r1, r2]
         try:
-            inside = out / "r1.training"
-            wait_for(lambda: inside.exists() and inside.read_text() == "5", "r1 inside its sixth step")
+            # r1 has trained three steps beside r0 (however late it started), and is inside the next one
+            beside = lambda: sum(s["committed"] and len(s["sizes"]) == 2 for s in steps_of(out, "r1"))  # noqa: E731
+            wait_for(lambda: beside() >= 3, "r1's third committed step beside r0")
+            inside, last = out / "r1.training", steps_of(out, "r1")[-1]["step"]
+            wait_for(lambda: inside.exists() and int(inside.read_text() or -1) > last, "r1 inside its next step")
+            (out / "killed").write_text(inside.read_text())
             r1.send_signal(signal.SIGKILL)
             wait_for(lambda: sum(s["committed"] for s in steps_of(out, "r0")) >= 8, "r0's eighth committed step")
             join.touch()
@@ -111,11 +116,13 @@ def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(k
 
 def test_the_killed_replicas_step_is_trained_again_by_the_survivors_and_a_joiner_takes_its_share(killed_and_joined):
     r0 = steps_of(killed_and_joined, "r0")
-    # r1 died inside step 5: that step was not committed, and r0 trained its global batch again, alone
-    before, again = (next(s for s in r0 if s["committed"] and s["step"] == n) for n in (4, 5))
+    # r1 died inside step k: that step was not committed, and r0 trained its global batch again, alone
+    k = int((killed_and_joined / "killed").read_text())
+    before, again = (next(s for s in r0 if s["committed"] and s["step"] == n) for n in (k - 1, k))
     assert (before["sizes"], before["failed"]) == ([8, 4], 0)
-    assert (again["cursor"], again["sizes"], again["failed"]) == (before["cursor"] + GLOBAL_BATCH, [12], 1)
-    assert 5 not in {s["step"] for s in steps_of(killed_and_joined, "r1") if s["committed"]}
+    assert (again["cursor"] - before["cursor"]) % NUM_SAMPLES == GLOBAL_BATCH
+    assert (again["sizes"], again["failed"]) == ([12], 1)
+    assert k not in {s["step"] for s in steps_of(killed_and_joined, "r1") if s["committed"]}
     # r2 received the state from r0 (no file) and trained its share: 2 of every 10 asked for
     r2 = [s for s in steps_of(killed_and_joined, "r2") if s["committed"]]
     assert r2
