@@ -105,6 +105,14 @@ class SlowCompute(Callback):
         time.sleep((self.factor - 1.0) * (time.perf_counter() - self._start))
 
 
+def _task(config: dict[str, Any]) -> tuple[ClassificationTask, ClassificationDataModule]:
+    """The model and the data every scenario trains."""
+    data = ClassificationDataModule(
+        num_samples=config["num_samples"], batch_size=config["batch_size"], seed=config["seed"]
+    )
+    return ClassificationTask(hidden=config["hidden"], lr=config["lr"], seed=config["seed"]), data
+
+
 def fault_tolerant(out: Path, config: dict[str, Any], node: str) -> None:
     """One replica of the torchft scenario (module docstring)."""
     torch.set_num_threads(1)
@@ -132,11 +140,7 @@ def fault_tolerant(out: Path, config: dict[str, Any], node: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = ClassificationDataModule(
-        num_samples=config["num_samples"], batch_size=config["batch_size"], seed=config["seed"]
-    )
-    model = ClassificationTask(hidden=config["hidden"], lr=config["lr"], seed=config["seed"])
-    trainer.fit(model, datamodule=data)
+    trainer.fit(*_task(config))
 
 
 def main(out: Path, node: str | None = None) -> None:
@@ -172,11 +176,8 @@ def main(out: Path, node: str | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    data = ClassificationDataModule(
-        num_samples=config["num_samples"], batch_size=config["batch_size"], seed=config["seed"]
-    )
-    model = ClassificationTask(hidden=config["hidden"], lr=config["lr"], seed=config["seed"])
-    trainer.fit(model, datamodule=data, ckpt_path="last")
+    model, data = _task(config)
+    trainer.fit(model, data, ckpt_path="last")
 
 
 if __name__ == "__main__":

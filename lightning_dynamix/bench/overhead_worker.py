@@ -30,10 +30,6 @@ def main(argv: list[str]) -> None:
     if variant == "torchft":
         strategy: object = FaultTolerantStrategy(batch * world, batch_size=batch, timeout=30.0)
         nodes = 1
-    elif variant == "ddp":
-        from lightning.pytorch.strategies import DDPStrategy
-
-        strategy, nodes = DDPStrategy(), world
     else:
         strategy, nodes = HeterogeneousDDPStrategy(batch_sizes=[batch] * world), world
     timer = StepTimer(warmup=warmup)

@@ -131,9 +131,9 @@ class Lighthouse:
         for name, value in (("join_timeout", join_timeout), ("quorum_tick", quorum_tick)):
             require_number(name, value, 0.0, math.inf, low_open=False, high_open=True)
         require_number("heartbeat_timeout", heartbeat_timeout, 0.0, math.inf, low_open=True, high_open=True)
+        _torchft()  # a clear error where the extra is missing
         from torchft._torchft import LighthouseServer
 
-        _torchft()
         self.host = host
         self._server = LighthouseServer(
             bind=f"{host}:{port}",
@@ -273,8 +273,6 @@ class FaultTolerantReplica:
         self.step = 0
         self.epoch = 0
         self.cursor = 0
-        self.committed = 0
-        """Steps this replica took part in and committed."""
         self.failed = 0
         """Steps this replica took part in that were not committed (including quorums whose members could not
         agree on the sizes)."""
@@ -380,7 +378,6 @@ class FaultTolerantReplica:
         self._plan = None
         committed = self.manager.should_commit()
         if committed:
-            self.committed += 1
             self.step += 1
             self.cursor += plan.global_batch
             if self.cursor >= self.num_samples:

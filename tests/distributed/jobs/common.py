@@ -230,3 +230,25 @@ def train_one_process(global_steps, num_samples, optimizer, accumulate=1, seed=0
             opt.step()
             window = []
     return {k: v.detach() for k, v in network.state_dict().items()}, probes
+
+
+def write_plan(log, plan, replica, committed: bool, **extra) -> None:
+    """One line of a fault-tolerant replica's log (ft_*_job.py): the step's plan, whether it was committed,
+    the steps the replica saw fail so far, the time, and ``extra``."""
+    import json
+    import time
+
+    line = {
+        "step": plan.step,
+        "epoch": plan.epoch,
+        "cursor": plan.cursor,
+        "participant": plan.participant,
+        "sizes": list(plan.batch_sizes),
+        "indices": plan.indices,
+        "committed": committed,
+        "failed": replica.failed,
+        "time": time.time(),
+        **extra,
+    }
+    log.write(json.dumps(line) + "\n")
+    log.flush()

@@ -9,13 +9,12 @@ OUT_DIR/REPLICA_ID.training, so a test can kill it mid-step. With JOIN_FILE it s
 file exists.
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
-from common import Net, quiet_trainer
+from common import Net, quiet_trainer, write_plan
 from lightning.pytorch import Callback
 
 from lightning_dynamix.strategies import FaultTolerantStrategy
@@ -39,22 +38,9 @@ class Log(Callback):
         self.file = (out / f"{replica_id}.jsonl").open("a")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        plan, replica = trainer.strategy.committed_plan, trainer.strategy.replica
-        line = {
-            "step": plan.step,
-            "epoch": plan.epoch,
-            "cursor": plan.cursor,
-            "participant": plan.participant,
-            "sizes": list(plan.batch_sizes),
-            "indices": plan.indices,
-            "committed": True,
-            "global_step": trainer.global_step,
-            "current_epoch": trainer.current_epoch,
-            "failed": replica.failed,
-            "time": time.time(),
-        }
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        strategy = trainer.strategy
+        extra = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
+        write_plan(self.file, strategy.committed_plan, strategy.replica, True, **extra)
 
 
 while join_file is not None and not join_file.exists():

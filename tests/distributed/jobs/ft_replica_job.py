@@ -9,14 +9,13 @@ OUT_DIR/REPLICA_ID.training, so a test can kill it mid-step. With JOIN_FILE it j
 imports done before: a joiner that is ready, as a spare machine would be).
 """
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, make_network, make_optimizer
+from common import IndexedDataset, make_network, make_optimizer, write_plan
 
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica
 
@@ -68,18 +67,6 @@ while replica.step < STEPS:
     committed = replica.commit()
     if committed:
         optimizer.step()
-    line = {
-        "step": plan.step,
-        "epoch": plan.epoch,
-        "cursor": plan.cursor,
-        "participant": plan.participant,
-        "sizes": list(plan.batch_sizes),
-        "indices": plan.indices,
-        "committed": committed,
-        "failed": replica.failed,
-        "time": time.time(),
-    }
-    log.write(json.dumps(line) + "\n")
-    log.flush()
+    write_plan(log, plan, replica, committed)
 torch.save({k: v.clone() for k, v in network.state_dict().items()}, out / f"{replica_id}.pt")
 replica.close()
