@@ -372,7 +372,7 @@ class DecisionMaker:
         needed = ("compute_time", "step_time", "data_time")
         if not state.is_finite(needed):
             if not self._warned_not_finite:
-                bad = [w.rank for w in state.workers if not all(math.isfinite(getattr(w, n)) for n in needed)]
+                bad = state.not_finite_ranks(needed)
                 log.warning(
                     "%s: ranks %s reported no complete step in the interval ending at step %d"
                     " (not finite measurements); keeping the current batch sizes %s. This warning is shown once;"

@@ -304,10 +304,11 @@ class PIDController:
             total = self._network_global_batch(state)
 
         busy = arrival_times(state)
-        if any(not (math.isfinite(t) and t > 0) for t in busy):
+        # a rank that sat the interval out may report no time at all (on a GPU, marks on an idle stream)
+        if any(not (math.isfinite(t) and (t > 0 or b == 0)) for b, t in zip(current, busy)):
             return self._decision(current, state)
         self._step_times.observe(current, busy)
-        measured = [b / t for b, t in zip(current, busy)]
+        measured = [b / t if b > 0 else 0.0 for b, t in zip(current, busy)]
         if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
             self._speeds = measured
             self._speed_counts = [1] * n

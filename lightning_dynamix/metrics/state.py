@@ -285,10 +285,20 @@ class ClusterState:
         return max(values) if values else NAN
 
     def is_finite(self, names: Sequence[str] = ("data_time", "compute_time", "step_time")) -> bool:
-        """Whether the given fields are finite on every rank and every rank's step took time."""
-        return all(math.isfinite(getattr(w, n)) for w in self.workers for n in names) and all(
-            w.step_time > 0 for w in self.workers
-        )
+        """Whether the given fields are finite on every rank and every rank that trained took time.
+
+        A rank that sat the interval out (batch size 0) may report a step of no time: on a GPU its step's first
+        and last marks can lie together on a stream it queued nothing on.
+        """
+        return not self.not_finite_ranks(names)
+
+    def not_finite_ranks(self, names: Sequence[str] = ("data_time", "compute_time", "step_time")) -> list[int]:
+        """The ranks whose given fields are not all finite, or that trained and report a step of no time."""
+        return [
+            w.rank
+            for w in self.workers
+            if not all(math.isfinite(getattr(w, n)) for n in names) or (w.step_time <= 0 and w.batch_size > 0)
+        ]
 
     def observation(self) -> dict[str, np.ndarray]:
         """The encoding every policy reads: scale-free, finite, float32.

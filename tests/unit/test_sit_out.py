@@ -235,6 +235,29 @@ def test_pid_keeps_a_rank_that_sits_out_there_until_a_probe_measures_it():
     assert sizes == (0, 48, 48)
 
 
+@pytest.mark.parametrize("controller", [PIDController, GoodputController], ids=["pid", "goodput"])
+def test_a_rank_that_sat_out_and_reports_no_time_at_all_neither_stops_the_decisions_nor_its_probes(controller):
+    # on a GPU a rank that sits out queues nothing: its step's first and last marks lie together (0 s). The
+    # decisions go on (rank 0 slows down and is moved), and the sitting rank is still probed and brought back
+    maker = DecisionMaker(controller(min_batch_size=0), "test", "none", "test")
+    per_sample = [0.001, 0.001, 0.001]
+    sizes, history = [12, 12, 0], []
+    for k in range(3 * _PROBE_WAIT_FIRST):
+        if k == 3:
+            per_sample = [0.04, 0.001, 0.001]
+        times = [c * b for c, b in zip(per_sample, sizes)]  # exactly 0.0 where b == 0
+        workers = tuple(
+            WorkerMetrics(rank=r, batch_size=b, compute_time=t, data_time=0.0, step_time=t)
+            for r, (b, t) in enumerate(zip(sizes, times))
+        )
+        state = ClusterState(workers=workers, min_batch_size=0)
+        assert state.is_finite()
+        sizes = list(maker.propose(state, sizes).batch_sizes)
+        history.append(tuple(sizes))
+    assert history[5][0] < 12, "rank 0 slowed down and nothing moved"
+    assert history[-1][2] > 0, "the rank kept out was never probed and brought back"
+
+
 def test_a_rank_that_sat_out_a_window_reports_no_gradient_norms_of_its_own():
     """The noise scale needs each rank's own gradient: a rank without samples has none to report."""
     state = WeightedAllReduceState()

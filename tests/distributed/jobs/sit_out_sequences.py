@@ -173,18 +173,46 @@ def accelerate(
     return {"steps": steps, "params": {k: v.detach().clone() for k, v in network.state_dict().items()}}
 
 
+class VirtualCompute(Callback):
+    """Every rank's step clock reads a virtual time that only its compute moves: ``seconds_per_sample`` times its
+    samples times the rank's factor of the moment (``schedule``: ``(step, rank, factor)`` from that optimizer step
+    on), so that what the controller measures, and so decides, is the same on every run whatever the machine's load.
+    """
+
+    def __init__(self, seconds_per_sample: float, schedule: list[list[float]]) -> None:
+        self.seconds_per_sample = seconds_per_sample
+        self.schedule = [(int(step), int(rank), float(factor)) for step, rank, factor in schedule]
+        self.now = 0.0
+        self._strategy: HeterogeneousDDPStrategy | None = None
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_dynamix.metrics import HostClock
+
+        self._strategy = trainer.strategy
+        trainer.strategy.enable_step_clock(time_source=HostClock(lambda: self.now))
+
+    def factor(self, rank: int, step: int) -> float:
+        return next((f for s, r, f in reversed(self.schedule) if r == rank and s <= step), 1.0)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        assert self._strategy is not None
+        samples = self._strategy.current_batch_sizes[trainer.global_rank]
+        self.now += samples * self.seconds_per_sample * self.factor(trainer.global_rank, trainer.global_step)
+
+
 def controller_moves_the_sitting_rank(
     num_samples: int, epochs: int, schedule: list[list[float]], timeout: float
 ) -> dict:
-    """``DynamixCallback("pid", min_batch_size=0)`` on 3 ranks; the emulator makes each rank the straggler in turn."""
-    from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+    """``DynamixCallback("pid", min_batch_size=0)`` on 3 ranks; each rank in turn computes ``factor`` times slower
+    (:class:`VirtualCompute`: on a virtual clock, so the controller's decisions never depend on this machine)."""
+    from lightning_dynamix.callbacks import DynamixCallback
 
     recorder = Recorder()
     strategy = HeterogeneousDDPStrategy(batch_sizes=[8, 8, 8], min_batch_size=0, timeout=timedelta(seconds=timeout))
     dynamix = DynamixCallback("pid", interval=2, warmup_steps=2, min_batch_size=0, log_per_rank=False)
-    emulator = HeterogeneityEmulator([1.0, 1.0, 1.0], schedule=[tuple(entry) for entry in schedule])
+    compute = VirtualCompute(seconds_per_sample=1e-3, schedule=schedule)
     trainer = quiet_trainer(
-        devices=3, strategy=strategy, callbacks=[recorder, dynamix, emulator], max_epochs=epochs, limit_val_batches=0
+        devices=3, strategy=strategy, callbacks=[compute, recorder, dynamix], max_epochs=epochs, limit_val_batches=0
     )
     model = Net(optimizer="sgd", num_samples=num_samples)
     trainer.fit(model)
