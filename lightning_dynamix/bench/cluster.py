@@ -32,6 +32,17 @@ while True:
     time.sleep(3600)
 """
 
+# a torchrun agent that has imported torch before it waits for the go (see LocalElasticCluster.add_nodes)
+AGENT = """
+import sys, time
+from pathlib import Path
+import torch.distributed.run as run
+ready, go = Path(sys.argv[1]), Path(sys.argv[2])
+ready.touch()
+while not go.exists():
+    time.sleep(0.01)
+run.main(sys.argv[3:])
+"""
 
 # what Lightning or a launcher left in this process's environment about the job it runs in
 JOB_VARIABLES = (
@@ -121,6 +132,32 @@ class LocalElasticCluster:
         It logs to ``<out>/<name>.log``; a name used before (the machine back) logs to ``<name>.<n>.log``, and
         on hosts runs on the host it had.
         """
+        return self.add_nodes([name])[0]
+
+    def add_nodes(self, names: list[str], timeout: float = 120.0) -> list[subprocess.Popen]:
+        """Start agents named ``names`` (as :meth:`add_node`) that join the rendezvous together: each imports
+        torch, then all are let go at once. Started one by one, an agent whose imports took a few seconds longer
+        on a loaded machine than the others' would miss the rendezvous's last call and join a group that
+        already formed, restarting it at once.
+
+        Raises:
+            TimeoutError: an agent did not get through its imports in ``timeout`` seconds.
+        """
+        gate = self.out / f"go-{len(self.starts)}-{sum(self.starts.values())}"
+        agents = [self._start_agent(name, gate) for name in names]
+        deadline = time.monotonic() + timeout
+        while not all(gate.with_name(f"{gate.name}.{name}").exists() for name in names):
+            exited = [name for name, agent in zip(names, agents) if agent.poll() is not None]
+            if exited or time.monotonic() > deadline:
+                for agent in agents:
+                    agent.kill()
+                what = f"agents {exited} exited" if exited else f"not every agent imported torch in {timeout} s"
+                raise TimeoutError(f"LocalElasticCluster.add_nodes({names}): {what}; see their logs in {self.out}")
+            time.sleep(0.05)
+        gate.touch()
+        return agents
+
+    def _start_agent(self, name: str, gate: Path) -> subprocess.Popen:
         store, local = "127.0.0.1", "127.0.0.1"
         env = dict(self.env, DYNAMIX_MACHINE_ID=name)
         if self.hosts is not None:
@@ -135,7 +172,7 @@ class LocalElasticCluster:
             env.update(self.hosts.env(self.host_of[name]))
             del env["MASTER_ADDR"], env["MASTER_PORT"]  # the rendezvous tells each worker its master
         command = [
-            sys.executable, "-m", "torch.distributed.run",
+            sys.executable, "-c", AGENT, str(gate.with_name(f"{gate.name}.{name}")), str(gate),
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", str(self.max_restarts),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{store}:{self.port}", "--rdzv-id", self.run_id,
             "--rdzv-conf", "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"

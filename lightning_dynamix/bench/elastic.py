@@ -192,8 +192,7 @@ def run_scenario(args: argparse.Namespace, mode: str | None, out: Path, run_id: 
     with contextlib.ExitStack() as stack:
         hosts = None if args.links is None else stack.enter_context(Hosts([*args.links, None]))  # the store's host
         cluster = stack.enter_context(LocalElasticCluster(command, out, nnodes=nnodes, run_id=run_id, hosts=hosts))
-        for name in names:
-            cluster.add_node(name)
+        cluster.add_nodes(names)
         if mode is not None:
             _wait_for_step(out, cluster, preempt_step)
             events["notice"] = time.time()

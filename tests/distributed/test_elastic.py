@@ -63,8 +63,7 @@ def elastic(tmp_path_factory):
     (out / "hold-w3").touch()
     (out / "hold-w2").touch()
     with LocalElasticCluster([JOBS / "elastic_job.py", out], out, nnodes="2:3") as cluster:
-        for name in ("node-0", "node-1", "node-2"):
-            cluster.add_node(name)
+        cluster.add_nodes(["node-0", "node-1", "node-2"])
         held = wait_until(out, cluster, "held", 3, after=0)
         victim = held[0]["machine"]  # the node of rank 0: the workers' store and the checkpoint's writer go too
         mark = len(progress(out))

@@ -54,24 +54,24 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module", params=["ft_replica_job.py", "ft_lightning_job.py"], ids=["loop", "lightning"])
 def killed_and_joined(request, tmp_path_factory):
-    """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice) inside a
-    step after three it trained beside r0, and r2 joins once r0 has committed eight steps; r0 and r2 train to
-    the job's end. The step r1 died in is written to ``killed``."""
+    """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice: it sends
+    it itself, so that the step it dies in is never a race) inside a step after three it trained beside r0, and
+    r2 joins once r0 has committed eight steps; r0 and r2 train to the job's end. The step r1 died in is
+    written to ``killed``."""
     out = tmp_path_factory.mktemp("ft")
     join = out / "join"
-    with Lighthouse(min_replicas=1, heartbeat_timeout=0.5) as lighthouse:
+    # a heartbeat 2 s late drops a replica: a loaded machine never delays one that long
+    with Lighthouse(min_replicas=1, heartbeat_timeout=2.0) as lighthouse:
         r0 = start_replica(request.param, lighthouse.address, "r0", out, 8, 0.2)
         r1 = start_replica(request.param, lighthouse.address, "r1", out, 4, 0.2)
         r2 = start_replica(request.param, lighthouse.address, "r2", out, 2, 0.2, join_file=join)
         processes = [r0, r1, r2]
         try:
-            # r1 has trained three steps beside r0 (however late it started), and is inside the next one
+            # r1 has trained three steps beside r0 (however late it started): it dies inside its next one
             beside = lambda: sum(s["committed"] and len(s["sizes"]) == 2 for s in steps_of(out, "r1"))  # noqa: E731
             wait_for(lambda: beside() >= 3, "r1's third committed step beside r0")
-            inside, last = out / "r1.training", steps_of(out, "r1")[-1]["step"]
-            wait_for(lambda: inside.exists() and int(inside.read_text() or -1) > last, "r1 inside its next step")
-            (out / "killed").write_text(inside.read_text())
-            r1.send_signal(signal.SIGKILL)
+            (out / "r1.die").touch()
+            assert r1.wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
             wait_for(lambda: sum(s["committed"] for s in steps_of(out, "r0")) >= 8, "r0's eighth committed step")
             join.touch()
             assert r0.wait(timeout=90) == 0, (out / "r0.log").read_text()[-3000:]

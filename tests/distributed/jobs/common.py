@@ -232,6 +232,20 @@ def train_one_process(global_steps, num_samples, optimizer, accumulate=1, seed=0
     return {k: v.detach() for k, v in network.state_dict().items()}, probes
 
 
+def inside_a_step(out, replica_id: str, step: int, pause: float) -> None:
+    """Called inside every step of a fault-tolerant replica (ft_*_job.py), before its gradients are synchronised:
+    where the test left ``<out>/<replica_id>.die``, the replica writes the step to ``<out>/killed`` and SIGKILLs
+    itself (a machine lost without notice, at a step the test cannot miss); otherwise it sleeps ``pause``."""
+    import os
+    import signal
+    import time
+
+    if (out / f"{replica_id}.die").exists():
+        (out / "killed").write_text(str(step))
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(pause)
+
+
 def write_plan(log, plan, replica, committed: bool, **extra) -> None:
     """One line of a fault-tolerant replica's log (ft_*_job.py): the step's plan, whether it was committed,
     the steps the replica saw fail so far, the time, and ``extra``."""

@@ -4,8 +4,8 @@ Usage: python ft_lightning_job.py LIGHTHOUSE REPLICA_ID OUT_DIR BATCH_SIZE STEP_
 
 Writes OUT_DIR/REPLICA_ID.jsonl, one line per training batch (the plan it committed: every batch is, the trainer's
 epoch and global step, the steps it saw fail so far), and OUT_DIR/REPLICA_ID.pt with its final
-parameters. STEP_SECONDS sleeps in each training step, having written its global step to
-OUT_DIR/REPLICA_ID.training, so a test can kill it mid-step. With JOIN_FILE it starts once that
+parameters. STEP_SECONDS sleeps in each training step; once OUT_DIR/REPLICA_ID.die exists it SIGKILLs itself there
+instead, inside its next step (common.inside_a_step). With JOIN_FILE it starts once that
 file exists.
 """
 
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import Net, quiet_trainer, write_plan
+from common import Net, inside_a_step, quiet_trainer, write_plan
 from lightning.pytorch import Callback
 
 from lightning_dynamix.strategies import FaultTolerantStrategy
@@ -28,8 +28,7 @@ join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 
 class Slow(Net):
     def training_step(self, batch, batch_idx):
-        (out / f"{replica_id}.training").write_text(str(self.trainer.global_step))
-        time.sleep(pause)
+        inside_a_step(out, replica_id, self.trainer.global_step, pause)
         return super().training_step(batch, batch_idx)
 
 

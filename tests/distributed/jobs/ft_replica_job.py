@@ -4,8 +4,8 @@ Usage: python ft_replica_job.py LIGHTHOUSE REPLICA_ID OUT_DIR [BATCH_SIZE [STEP_
 
 Writes OUT_DIR/REPLICA_ID.jsonl, one line per step it took part in (its plan and whether it was
 committed), and OUT_DIR/REPLICA_ID.pt with its final parameters. BATCH_SIZE is the size it asks for;
-STEP_SECONDS sleeps in each step after its backward, having written the step's number to
-OUT_DIR/REPLICA_ID.training, so a test can kill it mid-step. With JOIN_FILE it joins the job once that file exists (its
+STEP_SECONDS sleeps in each step after its backward; once OUT_DIR/REPLICA_ID.die exists it SIGKILLs itself
+there instead, inside its next step (common.inside_a_step). With JOIN_FILE it joins the job once that file exists (its
 imports done before: a joiner that is ready, as a spare machine would be).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, make_network, make_optimizer, write_plan
+from common import IndexedDataset, inside_a_step, make_network, make_optimizer, write_plan
 
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica
 
@@ -61,8 +61,7 @@ while replica.step < STEPS:
     optimizer.zero_grad()
     loss = F.cross_entropy(network(data.x[index]), data.y[index])
     loss.backward()
-    (out / f"{replica_id}.training").write_text(str(plan.step))  # the step it is inside, for a test to kill it
-    time.sleep(pause)
+    inside_a_step(out, replica_id, plan.step, pause)
     replica.sync_gradients(network.parameters())
     committed = replica.commit()
     if committed:
