@@ -82,7 +82,7 @@ def test_one_policy_file_drives_the_simulator_and_a_real_two_process_run(tmp_pat
         # the balancer keeps the global batch; the job's and a rank's adjustments (-25%..+25% each) move it
         before, after = sum(record["sizes"]), sum(record["decision"])
         assert 0.75 * 0.75 * before - 2 <= after <= 1.25 * 1.25 * before + 2, record
-    # rank 1 is emulated 3x slower: the balancer and the policy moved samples from it to rank 0
+    # rank 1 computes 3x slower (virtual clock): the balancer and the policy moved samples from it to rank 0
     final = history[-1]["decision"]
     assert final[0] > 1.5 * final[1], [r["decision"] for r in history]
     # the very same file decides for a simulated cluster

@@ -93,7 +93,7 @@ def test_the_controller_keeps_what_it_learnt_about_the_machines_that_stay(runs, 
     survivors = [saved_speeds[r] for r in range(min(saved, resumed))]
     expected = [saved_speeds[r] if r < saved else sum(survivors) / len(survivors) for r in range(resumed)]
     assert start["speeds"] == pytest.approx(expected)
-    # the resumed split follows those speeds: the machine emulated 4x slower (rank 0) gets the fewest samples
+    # the resumed split follows those speeds: the machine 4x slower (rank 0, virtual clock) gets the fewest samples
     sizes = start["batch_sizes"]
     assert sum(sizes) == 4 * saved  # the saved job's global batch (4 per rank, kept by PID)
     assert sizes[0] == min(sizes)

@@ -232,6 +232,35 @@ def train_one_process(global_steps, num_samples, optimizer, accumulate=1, seed=0
     return {k: v.detach() for k, v in network.state_dict().items()}, probes
 
 
+class VirtualCompute(Callback):
+    """Every rank's step clock reads a virtual time that only its compute moves: ``seconds_per_sample`` times its
+    samples times the rank's factor of the moment (``schedule``: ``(step, rank, factor)`` from that optimizer step
+    on), so that what the controller measures, and so decides, is the same on every run whatever the machine's load.
+    A wait for another rank costs no virtual time: a rank's step is its own compute.
+    """
+
+    def __init__(self, seconds_per_sample: float, schedule: list[list[float]]) -> None:
+        self.seconds_per_sample = seconds_per_sample
+        self.schedule = [(int(step), int(rank), float(factor)) for step, rank, factor in schedule]
+        self.now = 0.0
+        self._strategy = None
+
+    def setup(self, trainer, pl_module, stage):
+        from lightning_dynamix.metrics import HostClock
+
+        # the first source given is kept: this callback must come before any other that enables the clock
+        self._strategy = trainer.strategy
+        trainer.strategy.enable_step_clock(time_source=HostClock(lambda: self.now))
+
+    def factor(self, rank: int, step: int) -> float:
+        return next((f for s, r, f in reversed(self.schedule) if r == rank and s <= step), 1.0)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        assert self._strategy is not None
+        samples = self._strategy.current_batch_sizes[trainer.global_rank]
+        self.now += samples * self.seconds_per_sample * self.factor(trainer.global_rank, trainer.global_step)
+
+
 def inside_a_step(out, replica_id: str, step: int, pause: float) -> None:
     """Called inside every step of a fault-tolerant replica (ft_*_job.py), before its gradients are synchronised:
     where the test left ``<out>/<replica_id>.die``, the replica writes the step to ``<out>/killed`` and SIGKILLs

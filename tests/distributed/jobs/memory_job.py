@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, Resizer, make_network, make_optimizer, quiet_trainer
+from common import IndexedDataset, Resizer, VirtualCompute, make_network, make_optimizer, quiet_trainer
 from lightning.pytorch import LightningModule
 from torch.utils.data import DataLoader
 
@@ -44,10 +44,10 @@ class Net(LightningModule):
         return DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4)
 
 
-def fit(name: str, optimizer: str, sizes: list[int], callbacks: list, max_epochs: int = 2, factors=(1.0, 1.0)) -> None:
+def fit(name: str, optimizer: str, sizes: list[int], callbacks: list, max_epochs: int = 2) -> None:
     strategy = HeterogeneousDDPStrategy(batch_sizes=sizes, seed=3, timeout=timedelta(seconds=60))
-    emulator = HeterogeneityEmulator(factors=list(factors), memory_limits=LIMITS)
-    trainer = quiet_trainer(devices=2, strategy=strategy, callbacks=[emulator, *callbacks], max_epochs=max_epochs)
+    emulator = HeterogeneityEmulator(factors=[1.0, 1.0], memory_limits=LIMITS)
+    trainer = quiet_trainer(devices=2, strategy=strategy, callbacks=[*callbacks, emulator], max_epochs=max_epochs)
     model = Net(optimizer)
     trainer.fit(model)
     history = next((c.history for c in callbacks if isinstance(c, DynamixCallback)), [])
@@ -69,12 +69,15 @@ fit("sgd", "sgd", [4, 4], [Resizer({(0, 2): [2, 10], (0, 8): [6, 6], (1, 3): [8,
 fit("adam", "adam", [4, 4], [Resizer({(0, 2): [2, 10], (0, 8): [6, 6], (1, 3): [8, 4]})])
 # the very first step: nothing trained yet
 fit("first-step", "sgd", [2, 12], [], max_epochs=1)
-# pid moves samples to rank 1, three times as fast as rank 0, until its memory stops it
+# pid moves samples to rank 1, five times as fast as rank 0 (on a virtual clock: the same decisions on every run),
+# until its memory stops it: it asks 10 of 12, one more than the memory holds
 fit(
     "pid",
     "sgd",
     [6, 6],
-    [DynamixCallback("pid", interval=3, warmup_steps=2)],
+    [
+        VirtualCompute(seconds_per_sample=1e-3, schedule=[[0, 0, 5.0]]),
+        DynamixCallback("pid", interval=3, warmup_steps=2),
+    ],
     max_epochs=3,
-    factors=(3.0, 1.0),
 )

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 from common import REGROUP_PLAN as PLAN
-from common import Net, Recorder, quiet_trainer, uneven
+from common import Net, Recorder, VirtualCompute, quiet_trainer, uneven
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dynamix import HeterogeneousDDPStrategy
-from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.callbacks import DynamixCallback
 
 world, out = int(sys.argv[1]), Path(sys.argv[2])
 resume_from = int(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -47,14 +47,15 @@ class ControllerProbe(Callback):
 
 
 def fit_controlled(name, ckpt_path=None, **trainer_kwargs):
-    """A PID-controlled job whose rank 0 is emulated 4x slower: its controller must survive the change."""
+    """A PID-controlled job whose rank 0 computes 4x slower (on a virtual clock, so that what pid learns is the same
+    on every run): its controller must survive the change."""
     dynamix = DynamixCallback("pid", interval=2, warmup_steps=1, controller_kwargs={"smoothing": 0.0})
     probe = ControllerProbe(dynamix)
     trainer = quiet_trainer(
         devices=world,
         strategy=HeterogeneousDDPStrategy(seed=5, timeout=timedelta(seconds=90)),
         callbacks=[
-            HeterogeneityEmulator([4.0] + [1.0] * (world - 1)),
+            VirtualCompute(seconds_per_sample=1e-3, schedule=[[0, 0, 4.0]]),
             dynamix,
             probe,
             *trainer_kwargs.pop("callbacks", []),

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import torchmetrics
-from common import IndexedDataset, Net, Recorder, make_network, make_optimizer, quiet_trainer
+from common import IndexedDataset, Net, Recorder, VirtualCompute, make_network, make_optimizer, quiet_trainer
 from lightning.pytorch import Callback
 from torch.utils.data import DataLoader
 
@@ -171,33 +171,6 @@ def accelerate(
             batches += 1
     dist.barrier()  # every rank finished with the model before the next task builds another
     return {"steps": steps, "params": {k: v.detach().clone() for k, v in network.state_dict().items()}}
-
-
-class VirtualCompute(Callback):
-    """Every rank's step clock reads a virtual time that only its compute moves: ``seconds_per_sample`` times its
-    samples times the rank's factor of the moment (``schedule``: ``(step, rank, factor)`` from that optimizer step
-    on), so that what the controller measures, and so decides, is the same on every run whatever the machine's load.
-    """
-
-    def __init__(self, seconds_per_sample: float, schedule: list[list[float]]) -> None:
-        self.seconds_per_sample = seconds_per_sample
-        self.schedule = [(int(step), int(rank), float(factor)) for step, rank, factor in schedule]
-        self.now = 0.0
-        self._strategy: HeterogeneousDDPStrategy | None = None
-
-    def setup(self, trainer, pl_module, stage):
-        from lightning_dynamix.metrics import HostClock
-
-        self._strategy = trainer.strategy
-        trainer.strategy.enable_step_clock(time_source=HostClock(lambda: self.now))
-
-    def factor(self, rank: int, step: int) -> float:
-        return next((f for s, r, f in reversed(self.schedule) if r == rank and s <= step), 1.0)
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        assert self._strategy is not None
-        samples = self._strategy.current_batch_sizes[trainer.global_rank]
-        self.now += samples * self.seconds_per_sample * self.factor(trainer.global_rank, trainer.global_step)
 
 
 def controller_moves_the_sitting_rank(
