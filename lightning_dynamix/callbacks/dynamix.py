@@ -6,6 +6,11 @@ Add :class:`DynamixCallback` to a ``Trainer`` that uses ``HeterogeneousDDPStrate
 the decision is broadcast, and every rank applies it through the strategy from the same step:
 new per-rank batch sizes (the gradients stay the exact global-batch mean) and, with a
 learning-rate scaling rule, a new learning rate for the new global batch.
+
+Under ``FaultTolerantStrategy`` (torchft) each process is a replica of its own: the callback hands its
+controller to the strategy (:class:`~lightning_dynamix.distributed.fault_tolerance.ReplicaBalancer`), where
+every replica decides on the same measurements, carried with each step's sizes, keyed by machine; the
+global batch stays the strategy's ``global_batch_size`` and the decision splits it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
+from lightning_dynamix.distributed.fault_tolerance import ReplicaBalancer
 from lightning_dynamix.elastic import gather_machine_ids
 from lightning_dynamix.loop import DecisionMaker, build_controller, check_world_size, wants_noise_scale
 from lightning_dynamix.metrics import ClusterState
+from lightning_dynamix.strategies.fault_tolerant import FaultTolerantStrategy
 
 
 class DynamixCallback(ClusterMetricsMonitor):
@@ -98,6 +105,8 @@ class DynamixCallback(ClusterMetricsMonitor):
         self.max_batch_size = max_batch_size
         self.maker = DecisionMaker(self.controller, self.controller_name, self.lr_scaling, "DynamixCallback")
         self._machine_ids: list[str] | None = None
+        self._fault_tolerant: FaultTolerantStrategy | None = None
+        self._logged = 0  # records of the fault-tolerant replica's decisions already logged
 
     @property
     def lr_scale(self) -> float:
@@ -112,6 +121,9 @@ class DynamixCallback(ClusterMetricsMonitor):
     # ------------------------------------------------------------------ set-up
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and isinstance(trainer.strategy, FaultTolerantStrategy):
+            self._setup_fault_tolerant(trainer.strategy)
+            return
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
@@ -141,6 +153,23 @@ class DynamixCallback(ClusterMetricsMonitor):
                 f" max_batch_size={high}: no size satisfies both."
             )
 
+    def _setup_fault_tolerant(self, strategy: FaultTolerantStrategy) -> None:
+        if self.lr_scaling != "none":
+            raise MisconfigurationException(
+                f"DynamixCallback(lr_scaling={self.lr_scaling!r}) under FaultTolerantStrategy: the global batch is"
+                " fixed there (the strategy's global_batch_size), so the learning rate has nothing to follow;"
+                " use lr_scaling='none'."
+            )
+        strategy.balancer = ReplicaBalancer(
+            self.maker,
+            interval=self.interval,
+            warmup_steps=self.warmup_steps,
+            min_batch_size=max(1, self.min_batch_size or 1),
+            max_batch_size=self.max_batch_size,
+            history=self.history,
+        )
+        self._fault_tolerant = strategy
+
     @property
     @override
     def bounds(self) -> tuple[int, int | None]:
@@ -152,9 +181,27 @@ class DynamixCallback(ClusterMetricsMonitor):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._fault_tolerant is not None:
+            return
         super().on_train_start(trainer, pl_module)
         if self.maker.base_global_batch is None:
             self.maker.base_global_batch = sum(self._strategy_or_fail().batch_sizes or ())
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._fault_tolerant is None:
+            super().on_train_end(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._fault_tolerant is None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        for record in self.history[self._logged :]:  # the replica's decisions since (made inside its steps)
+            self._log(trainer, record)
+        self._logged = len(self.history)
 
     # ------------------------------------------------------------------ deciding
     @override

@@ -29,6 +29,19 @@ own. Every step:
 The epoch's last step follows the rule of :mod:`lightning_dynamix.data.schedule`: a step that would
 leave fewer samples than one per participant takes all that remain.
 
+With a :class:`ReplicaBalancer` the sizes each replica asks for come from a controller (pid, goodput,
+ppo: ``DynamixCallback``'s). The step's all-reduce also carries every participant's machine (a hash of
+its ``replica_id``) and its own time per step (from its plan to its gradients, committed steps at one
+size), so every participant holds the same :class:`~lightning_dynamix.metrics.ClusterState` every
+``interval`` committed steps. Each runs the same controller on it (a replica that joins receives the
+controller's state with the model), keyed by machine: a machine that stays keeps what was learnt about it.
+Each then asks for its own entry of the decision, and the step's sizes are always the split of the global
+batch in proportion to what the step's participants ask: every participant computes the same sizes from
+the same all-reduced numbers, even were two controllers to disagree in a last bit. When a replica leaves,
+the next step splits the global batch over the others in proportion to their decided sizes (at once, no
+decision needed); a replica that joins asks for a probe, a quarter of the others' mean, until the next
+decision has measured it.
+
 torchft is an optional dependency (``pip install lightning-dynamix[ft]``); this module imports it only
 when a :class:`Lighthouse` or :class:`FaultTolerantReplica` is built. A lighthouse for a job:
 ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind [::]:29510``.
@@ -36,12 +49,14 @@ when a :class:`Lighthouse` or :class:`FaultTolerantReplica` is built. A lighthou
 
 from __future__ import annotations
 
+import hashlib
 import math
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
@@ -52,9 +67,27 @@ from lightning_dynamix.control.allocation import split_in_proportion
 from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.data.sampler import EpochPermutation
 from lightning_dynamix.data.schedule import final_step_sizes
+from lightning_dynamix.metrics.clocks import HostClock, TimeSource
+from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
+
+if TYPE_CHECKING:
+    from lightning_dynamix.loop import DecisionMaker, IntervalRecord
 
 DEFAULT_LIGHTHOUSE_PORT = 29510
 """The port torchft's examples give the lighthouse."""
+
+PROBE_SHARE = 0.25
+"""A joining replica's request until a decision has measured it: this share of the others' mean request."""
+
+# per participant in a step's all-reduce: its machine key, its request (> 0 a size, 0 an even share, < 0 a
+# probe: that share of the others' mean), and its measurements (seconds over steps, steps, the size they
+# were measured at)
+_SLOT = 5
+
+
+def machine_key(name: str) -> int:
+    """A number for a machine's name, the same in every process: 48 bits of its BLAKE2 hash (exact in a float64)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "big")
 
 
 def _torchft() -> Any:
@@ -212,6 +245,86 @@ def participant_sizes(global_batch: int, requested: Sequence[float], remaining: 
     return split_in_proportion(global_batch, list(requested), [1] * n, [None] * n)
 
 
+class ReplicaBalancer:
+    """A controller's sizes for the replicas of a fault-tolerant job; the same on every replica (module docstring).
+
+    Args:
+        maker: the controller and its checks (``DynamixCallback.maker``), keyed by machine.
+        interval: committed steps between two decisions, >= 1.
+        warmup_steps: a replica's first steps in its process that are not measured (start-up is slow), >= 0.
+        min_batch_size: the smallest size a decision gives a replica, >= 1 (a replica asks for a share: it
+            cannot sit steps out).
+        max_batch_size: the largest, or ``None``.
+        history: where each decision's :class:`~lightning_dynamix.loop.IntervalRecord` is appended.
+    """
+
+    def __init__(
+        self,
+        maker: DecisionMaker,
+        interval: int = 10,
+        warmup_steps: int = 5,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        history: list[IntervalRecord] | None = None,
+    ) -> None:
+        require_int("interval", interval, 1)
+        require_int("warmup_steps", warmup_steps, 0)
+        require_int("min_batch_size", min_batch_size, 1)
+        if max_batch_size is not None:
+            require_int("max_batch_size", max_batch_size, min_batch_size)
+        self.maker = maker
+        self.interval = interval
+        self.warmup_steps = warmup_steps
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.history: list[IntervalRecord] = history if history is not None else []
+        self.decided: dict[int, int] = {}
+        """The latest decision: each machine's size, by :func:`machine_key`."""
+        self._started = time.monotonic()
+
+    def decide(self, step: int, epoch: int, keys: Sequence[int], measured: Sequence[tuple[float, int, int]]) -> bool:
+        """At a decision step (``step`` a multiple of ``interval``) where every participant measured steps:
+        the controller's decision for the participants ``keys`` from ``measured`` (each one's seconds over
+        its measured steps, how many, at which size). Returns whether it decided (the replicas then start
+        measuring afresh)."""
+        if step == 0 or step % self.interval != 0 or any(steps < 1 for _, steps, _ in measured):
+            return False
+        workers = tuple(
+            WorkerMetrics(
+                rank=rank,
+                batch_size=size,
+                data_time=0.0,
+                compute_time=seconds / steps,
+                sync_wait=0.0,
+                step_time=seconds / steps,
+                samples_per_s=size * steps / seconds if seconds > 0 else math.nan,
+            )
+            for rank, (seconds, steps, size) in enumerate(measured)
+        )
+        state = ClusterState(
+            workers=workers,
+            step=step,
+            epoch=epoch,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+        )
+        self.maker.join([str(key) for key in keys])
+        current = [size for _, _, size in measured]
+        decision = self.maker.propose(state, current)
+        self.decided = {key: max(self.min_batch_size, int(size)) for key, size in zip(keys, decision.batch_sizes)}
+        from lightning_dynamix.loop import IntervalRecord
+
+        self.history.append(IntervalRecord(step, time.monotonic() - self._started, state, decision))
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"maker": self.maker.state_dict(), "decided": {str(k): v for k, v in self.decided.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.maker.load_state_dict(state["maker"])
+        self.decided = {int(k): int(v) for k, v in state["decided"].items()}
+
+
 class FaultTolerantReplica:
     """One replica of a job that keeps training while others fail, leave or join (module docstring).
 
@@ -231,6 +344,11 @@ class FaultTolerantReplica:
             committed).
         quorum_timeout: seconds to wait for a quorum.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA).
+        balancer: the controller whose decisions this replica asks for (:class:`ReplicaBalancer`); its state
+            travels to a joining replica with the caller's. ``None``: the sizes given to :meth:`begin_step`.
+        time_source: what times this replica's own work (from its plan to :meth:`sync_gradients`) for the
+            balancer: the host's clock by default; CUDA events on a GPU
+            (:func:`~lightning_dynamix.metrics.clocks.time_source_for`), so that it is the device's time.
 
     Raises:
         ValueError: for a bad argument, naming it.
@@ -252,6 +370,8 @@ class FaultTolerantReplica:
         timeout: float = 10.0,
         quorum_timeout: float = 60.0,
         backend: str = "gloo",
+        balancer: ReplicaBalancer | None = None,
+        time_source: TimeSource | None = None,
     ) -> None:
         require_int("num_samples", num_samples, 1)
         require_int("global_batch_size", global_batch_size, 1)
@@ -277,6 +397,16 @@ class FaultTolerantReplica:
         """Steps this replica took part in that were not committed (including quorums whose members could not
         agree on the sizes)."""
         self._plan: StepPlan | None = None
+        self.balancer = balancer
+        self.key = machine_key(replica_id)
+        self.joined = False
+        """Whether this replica received the job's state from a peer (it joined a job under way)."""
+        # this process's own time per step: steps committed here, and the interval's (seconds, steps, size)
+        self._steps_here = 0
+        self._measured: tuple[float, int, int] = (0.0, 0, 0)
+        self.time_source: TimeSource = time_source if time_source is not None else HostClock()
+        self._planned_at: Any = None  # the time source's mark at the plan
+        self._busy = math.nan
         self._user_state_dict = state_dict
         self._user_load_state_dict = load_state_dict
         # a store of its own for the replica group (one process): torchft's manager meets there
@@ -302,14 +432,29 @@ class FaultTolerantReplica:
         )
 
     def _state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "user": self._user_state_dict(),
             "data": {"step": self.step, "epoch": self.epoch, "cursor": self.cursor},
         }
+        if self.balancer is not None:
+            state["balancer"] = self.balancer.state_dict()
+        return state
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self._user_load_state_dict(state["user"])
         self.step, self.epoch, self.cursor = (int(state["data"][k]) for k in ("step", "epoch", "cursor"))
+        if self.balancer is not None and "balancer" in state:
+            self.balancer.load_state_dict(state["balancer"])
+        self.joined = True
+        self._measured = (0.0, 0, 0)
+
+    def _request(self, batch_size: int | None) -> float:
+        """What this replica asks for at the next step (the slot's code: > 0 a size, 0 even, < 0 a probe)."""
+        if self.balancer is None:
+            return float(batch_size) if batch_size is not None else 0.0
+        if self.key in self.balancer.decided:
+            return float(self.balancer.decided[self.key])
+        return -PROBE_SHARE if self.joined else (float(batch_size) if batch_size is not None else 0.0)
 
     def begin_step(self, batch_size: int | None = None) -> StepPlan:
         """Join the step's quorum and agree on its sizes; ``batch_size`` is the size this replica asks for
@@ -326,19 +471,27 @@ class FaultTolerantReplica:
             if participant is None or participants < 1:  # not in this quorum (a spare): wait for the next
                 self.manager.should_commit()
                 continue
-            requests = torch.zeros(participants, dtype=torch.float64)
-            requests[participant] = float(batch_size) if batch_size is not None else 0.0
-            self.manager.allreduce(requests, reduce_op=torch.distributed.ReduceOp.SUM).wait()
+            seconds, steps, size = self._measured
+            slots = torch.zeros(participants, _SLOT, dtype=torch.float64)
+            slots[participant] = torch.tensor(
+                [float(self.key), self._request(batch_size), seconds, float(steps), float(size)], dtype=torch.float64
+            )
+            self.manager.allreduce(slots, reduce_op=torch.distributed.ReduceOp.SUM).wait()
             if self.manager.errored() is None:
                 break
             self.manager.should_commit()  # not committed: nothing was trained; try the next quorum
             self.failed += 1
-        asked = [float(r) for r in requests.tolist()]
+        rows = slots.tolist()
+        if self.balancer is not None:
+            keys = [int(row[0]) for row in rows]
+            measured = [(row[2], int(row[3]), int(row[4])) for row in rows]
+            if self.balancer.decide(self.step, self.epoch, keys, measured):
+                self._measured = (0.0, 0, 0)  # every participant decided at this step: all measure afresh
+        asked = [row[1] for row in rows]
         given = [r for r in asked if r > 0]
-        even = sum(given) / len(given) if given else 1.0
-        sizes = participant_sizes(
-            self.global_batch_size, [r if r > 0 else even for r in asked], self.num_samples - self.cursor
-        )
+        mean = sum(given) / len(given) if given else 1.0
+        weights = [r if r > 0 else (mean if r == 0 else -r * mean) for r in asked]
+        sizes = participant_sizes(self.global_batch_size, weights, self.num_samples - self.cursor)
         self.order.set_epoch(self.epoch)
         start = self.cursor + sum(sizes[:participant])
         self._plan = StepPlan(
@@ -349,6 +502,10 @@ class FaultTolerantReplica:
             batch_sizes=sizes,
             indices=self.order.indices(start, start + sizes[participant]),
         )
+        if self.balancer is not None:
+            if self._planned_at is not None:  # a plan whose step never reached its gradients
+                self.time_source.release(self._planned_at)
+            self._planned_at, self._busy = self.time_source.mark(), math.nan
         return self._plan
 
     def sync_gradients(self, parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -356,6 +513,12 @@ class FaultTolerantReplica:
         step's global batch: weighted by ``b_p / B`` and summed over the participants, in one all-reduce.
         A parameter without a gradient counts as zero."""
         plan = self._require_plan()
+        if self._planned_at is not None:  # this replica's own work: its batch, forward and backward
+            end = self.time_source.mark()
+            self._busy = self.time_source.elapsed(self._planned_at, end)
+            self.time_source.release(self._planned_at)
+            self.time_source.release(end)
+            self._planned_at = None
         params = [p for p in parameters if p.requires_grad]
         if not params:
             return
@@ -378,6 +541,13 @@ class FaultTolerantReplica:
         self._plan = None
         committed = self.manager.should_commit()
         if committed:
+            self._steps_here += 1
+            warm = self.balancer is not None and self._steps_here > self.balancer.warmup_steps
+            if warm and plan.batch_size > 0 and math.isfinite(self._busy):
+                seconds, steps, size = self._measured
+                if size != plan.batch_size:  # another size: another operating point, measured afresh
+                    seconds, steps, size = 0.0, 0, plan.batch_size
+                self._measured = (seconds + self._busy, steps + 1, size)
             self.step += 1
             self.cursor += plan.global_batch
             if self.cursor >= self.num_samples:

@@ -13,7 +13,11 @@ single-device run. The replicas meet through torchft's lighthouse before every s
   Lightning every batch is one committed optimizer step, so its step counters, learning-rate schedules
   and ``max_steps`` stay those of one job;
 * a replica that joins receives the LightningModule's and optimizers' state, the learning-rate schedulers'
-  and the fit loop's position from a peer (no checkpoint file), and starts at the job's step.
+  and the fit loop's position from a peer (no checkpoint file), and starts at the job's step;
+* with :class:`~lightning_dynamix.callbacks.DynamixCallback` in the Trainer's callbacks, its controller
+  decides what each replica asks for (:class:`~lightning_dynamix.distributed.fault_tolerance.ReplicaBalancer`):
+  every replica's time per step travels with the step's sizes, the controller's state with a joiner's, and
+  the global batch is split over whoever takes part in each step.
 
 Limits: automatic optimisation with one optimizer, no gradient accumulation; samples are read in the
 training process (DataLoader workers are not used for training data); each replica validates and saves
@@ -40,7 +44,13 @@ from typing_extensions import override
 from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix.data.loader import EmptyBatch
-from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica, StepBatches, lighthouse_host_port
+from lightning_dynamix.distributed.fault_tolerance import (
+    FaultTolerantReplica,
+    ReplicaBalancer,
+    StepBatches,
+    lighthouse_host_port,
+)
+from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +121,10 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         self.seed = seed
         self.shuffle = shuffle
         self.replica: FaultTolerantReplica | None = None
+        self.balancer: ReplicaBalancer | None = None
+        """The controller the replica asks its sizes of (set by ``DynamixCallback``); ``None``: ``batch_size``."""
+        self.time_source: TimeSource | None = None
+        """What times the replica's own work for the balancer; ``None``: the device's (CUDA events on a GPU)."""
         self.committed_plan = None
         """The plan of the step the last training batch committed (:class:`StepPlan`)."""
         self._batches: StepBatches | None = None
@@ -171,6 +185,8 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                 timeout=self.timeout,
                 quorum_timeout=self.quorum_timeout,
                 backend=self.backend,
+                balancer=self.balancer,
+                time_source=self.time_source if self.time_source is not None else time_source_for(self.root_device),
             )
         elif len(dataloader.dataset) != self.replica.num_samples:  # type: ignore[arg-type]
             raise MisconfigurationException(

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_dynamix.data.sampler import EpochPermutation
-from lightning_dynamix.distributed.fault_tolerance import Lighthouse
+from lightning_dynamix.distributed.fault_tolerance import Lighthouse, participant_sizes
 
 pytestmark = pytest.mark.distributed
 
@@ -30,10 +30,12 @@ NUM_SAMPLES, GLOBAL_BATCH, STEPS, SEED = 120, 12, 24, 3  # as in ft_replica_job.
 
 
 def start_replica(
-    job: str, lighthouse: str, name: str, out: Path, batch_size: int, pause: float, join_file: Path | None = None
+    job: str, lighthouse: str, name: str, out: Path, *args: object, join_file: Path | None = None, **env: str
 ) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]))
-    command = [sys.executable, str(JOBS / job), lighthouse, name, str(out), str(batch_size), str(pause)]
+    """``job`` with the lighthouse, the replica's name, ``out`` and ``args`` (then ``join_file``) as arguments,
+    and ``env`` in its environment."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]), **env)
+    command = [sys.executable, str(JOBS / job), lighthouse, name, str(out), *map(str, args)]
     command += [str(join_file)] if join_file is not None else []
     with (out / f"{name}.log").open("w") as log:
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -83,10 +85,10 @@ def killed_and_joined(request, tmp_path_factory):
     return out
 
 
-def committed_steps(out: Path) -> dict[int, dict]:
-    """Every committed step, by step number, with the slices of the replicas that logged it."""
+def committed_steps(out: Path, names: tuple[str, ...] = ("r0", "r1", "r2")) -> dict[int, dict]:
+    """Every committed step, by step number, with the slices of the replicas that logged it (all agreeing)."""
     steps: dict[int, dict] = {}
-    for name in ("r0", "r1", "r2"):
+    for name in names:
         for line in steps_of(out, name):
             if not line["committed"]:
                 continue
@@ -97,11 +99,14 @@ def committed_steps(out: Path) -> dict[int, dict]:
 
 
 def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(killed_and_joined):
-    steps = committed_steps(killed_and_joined)
-    assert sorted(steps) == list(range(STEPS))
+    assert_every_sample_once_per_epoch(committed_steps(killed_and_joined), STEPS)
+
+
+def assert_every_sample_once_per_epoch(steps: dict[int, dict], count: int) -> None:
+    assert sorted(steps) == list(range(count))
     order = EpochPermutation(NUM_SAMPLES, seed=SEED)
     seen: dict[int, list[int]] = {}
-    for number in range(STEPS):
+    for number in range(count):
         step = steps[number]
         order.set_epoch(step["epoch"])
         batch = order.indices(step["cursor"], step["cursor"] + sum(step["sizes"]))
@@ -109,8 +114,7 @@ def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(k
             start = sum(step["sizes"][:participant])
             assert indices == batch[start : start + step["sizes"][participant]]
         seen.setdefault(step["epoch"], []).extend(batch)
-    assert sorted(seen) == [0, 1, 2]
-    for epoch in (0, 1):
+    for epoch in range(max(seen)):  # every epoch but the last, which the job may end inside
         assert sorted(seen[epoch]) == list(range(NUM_SAMPLES)), epoch
 
 
@@ -142,11 +146,14 @@ def test_lightning_counts_one_optimizer_step_per_committed_step_on_every_replica
 
 
 def test_the_committed_steps_equal_one_process_trained_on_the_same_global_batches(killed_and_joined):
-    steps = committed_steps(killed_and_joined)
+    assert_like_one_process(killed_and_joined, committed_steps(killed_and_joined), STEPS, ("r0", "r2"))
+
+
+def assert_like_one_process(out: Path, steps: dict[int, dict], count: int, finishers: tuple[str, ...]) -> None:
     data, order = IndexedDataset(NUM_SAMPLES), EpochPermutation(NUM_SAMPLES, seed=SEED)
     network = make_network(0)
     optimizer = make_optimizer("sgd", network.parameters())
-    for number in range(STEPS):
+    for number in range(count):
         order.set_epoch(steps[number]["epoch"])
         index = torch.tensor(
             order.indices(steps[number]["cursor"], steps[number]["cursor"] + sum(steps[number]["sizes"]))
@@ -154,7 +161,97 @@ def test_the_committed_steps_equal_one_process_trained_on_the_same_global_batche
         optimizer.zero_grad()
         F.cross_entropy(network(data.x[index]), data.y[index]).backward()
         optimizer.step()
-    for name in ("r0", "r2"):
-        trained = torch.load(killed_and_joined / f"{name}.pt")
+    for name in finishers:
+        trained = torch.load(out / f"{name}.pt")
         for key, value in network.state_dict().items():
             torch.testing.assert_close(trained[key], value, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------- a controller's sizes
+BALANCED_STEPS = 30  # as in ft_balanced_job.py
+# seconds per sample on each replica's virtual clock: r1 4x and r2 2x slower than r0; r3 joins as fast as r0
+SECONDS_PER_SAMPLE = {"r0": 0.001, "r1": 0.004, "r2": 0.002, "r3": 0.001}
+
+
+@pytest.fixture(scope="module")
+def balanced(tmp_path_factory):
+    """pid decides the sizes (every 2 steps, on virtual clocks): r0, r1 and r2 train; r1 is killed inside a step
+    after the first decision on the three; r3 joins once the others have decided on their own."""
+    out = tmp_path_factory.mktemp("ft-balanced")
+    join = out / "join"
+    with Lighthouse(min_replicas=1, heartbeat_timeout=2.0) as lighthouse:
+        processes = {}
+        for name, seconds in SECONDS_PER_SAMPLE.items():
+            joins = join if name == "r3" else None
+            processes[name] = start_replica(
+                "ft_balanced_job.py", lighthouse.address, name, out, seconds, 0.05, join_file=joins
+            )
+        try:
+            on = lambda name, machines: [  # noqa: E731
+                s for s in steps_of(out, name) if s["committed"] and s["decided_here"] and s["machines"] == machines
+            ]
+            wait_for(lambda: on("r1", ["r0", "r1", "r2"]), "a decision on r0, r1 and r2")
+            (out / "r1.die").touch()
+            assert processes["r1"].wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
+            wait_for(lambda: on("r0", ["r0", "r2"]), "a decision on r0 and r2")
+            join.touch()
+            for name in ("r0", "r2", "r3"):
+                assert processes[name].wait(timeout=90) == 0, (out / f"{name}.log").read_text()[-3000:]
+        finally:
+            for process in processes.values():
+                if process.poll() is None:
+                    process.kill()
+    return out
+
+
+def test_a_controller_splits_the_replicas_by_speed_and_follows_a_leave_and_a_join_at_once(balanced):
+    r0 = [s for s in steps_of(balanced, "r0") if s["committed"]]
+    decisions = [s for s in r0 if s["decided_here"]]
+    # on three: sizes in proportion to the speeds measured (1000, 250 and 500 samples/s)
+    on_three = next(s for s in decisions if s["machines"] == ["r0", "r1", "r2"])
+    assert on_three["decided"] == {"r0": 7, "r1": 2, "r2": 3}
+    assert [s["sizes"] for s in r0 if s["step"] == on_three["step"] + 1] == [[7, 2, 3]]
+    # r1 dies: the very next committed step splits the global batch over r0 and r2 by their decided sizes (7:3)
+    killed = int((balanced / "killed").read_text())
+    after = next(s for s in r0 if s["step"] == killed)
+    assert after["sizes"] == list(participant_sizes(GLOBAL_BATCH, [7, 3], NUM_SAMPLES))
+    assert after["sizes"] == [8, 4]
+    # the next decision keeps what pid knew about the machines that stay
+    on_two = next(s for s in decisions if s["machines"] == ["r0", "r2"])
+    assert on_two["speeds"] == pytest.approx([on_three["speeds"][0], on_three["speeds"][2]])
+    assert on_two["decided"] == {"r0": 8, "r2": 4}
+    # r3 joins with the controller's state and asks for a probe (a quarter of the others' mean) until measured
+    r3 = [s for s in steps_of(balanced, "r3") if s["committed"]]
+    first = r3[0]
+    assert first["joined"]
+    assert first["speeds"] == next(s["speeds"] for s in r0 if s["step"] == first["step"])
+    assert first["sizes"] == list(participant_sizes(GLOBAL_BATCH, [8, 4, 0.25 * 6], NUM_SAMPLES)) == [7, 4, 1]
+    on_joined = next(s for s in decisions if s["machines"] == ["r0", "r2", "r3"])
+    assert on_joined["decided"] == {"r0": 5, "r2": 2, "r3": 5}  # measured: as fast as r0
+    assert r0[-1]["sizes"] == [5, 2, 5]
+
+
+def test_under_a_controller_every_sample_is_trained_once_and_the_steps_equal_one_process(balanced):
+    steps = committed_steps(balanced, ("r0", "r1", "r2", "r3"))
+    assert_every_sample_once_per_epoch(steps, BALANCED_STEPS)
+    assert_like_one_process(balanced, steps, BALANCED_STEPS, ("r0", "r2", "r3"))
+
+
+def test_dynamix_callback_under_the_fault_tolerant_strategy_decides_the_same_sizes_on_every_replica(tmp_path):
+    # pid in DynamixCallback, each replica on a virtual clock: r1 computes 3x slower than r0
+    with Lighthouse(min_replicas=2, heartbeat_timeout=2.0) as lighthouse:
+        replicas = {
+            name: start_replica(
+                "ft_lightning_job.py", lighthouse.address, name, tmp_path, 6, 0.0, SECONDS_PER_SAMPLE=seconds
+            )
+            for name, seconds in (("r0", "0.001"), ("r1", "0.003"))
+        }
+        for name, process in replicas.items():
+            assert process.wait(timeout=90) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    logs = {name: steps_of(tmp_path, name) for name in replicas}
+    assert logs["r0"][-1]["decisions"] == logs["r1"][-1]["decisions"]  # the same decisions on both replicas
+    decisions = logs["r0"][-1]["decisions"]
+    assert [step for step, _ in decisions] == list(range(2, STEPS, 2))
+    assert decisions[-1][1] == [9, 3]  # 12 in proportion to 1000 and 333 samples/s
+    assert [s["sizes"] for s in logs["r0"][-3:]] == [[9, 3]] * 3
+    assert_every_sample_once_per_epoch(committed_steps(tmp_path, ("r0", "r1")), STEPS)

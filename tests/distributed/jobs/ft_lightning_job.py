@@ -7,8 +7,12 @@ epoch and global step, the steps it saw fail so far), and OUT_DIR/REPLICA_ID.pt 
 parameters. STEP_SECONDS sleeps in each training step; once OUT_DIR/REPLICA_ID.die exists it SIGKILLs itself there
 instead, inside its next step (common.inside_a_step). With JOIN_FILE it starts once that
 file exists.
+
+With SECONDS_PER_SAMPLE in the environment, DynamixCallback("pid") decides what the replica asks for (every 2
+steps), timing the replica on a virtual clock that only its own samples move, that many seconds each.
 """
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,17 +21,22 @@ import torch
 from common import Net, inside_a_step, quiet_trainer, write_plan
 from lightning.pytorch import Callback
 
+from lightning_dynamix.callbacks import DynamixCallback
+from lightning_dynamix.metrics.clocks import HostClock
 from lightning_dynamix.strategies import FaultTolerantStrategy
 
 NUM_SAMPLES, GLOBAL_BATCH, STEPS = 120, 12, 24
 
 lighthouse, replica_id, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 batch_size, pause = int(sys.argv[4]), float(sys.argv[5])
+seconds_per_sample = float(os.environ.get("SECONDS_PER_SAMPLE", "0"))
+now = [0.0]  # the virtual clock, with SECONDS_PER_SAMPLE
 join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 
 
 class Slow(Net):
     def training_step(self, batch, batch_idx):
+        now[0] += seconds_per_sample * len(batch[0])
         inside_a_step(out, replica_id, self.trainer.global_step, pause)
         return super().training_step(batch, batch_idx)
 
@@ -39,6 +48,8 @@ class Log(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy
         extra = {"global_step": trainer.global_step, "current_epoch": trainer.current_epoch}
+        if strategy.balancer is not None:
+            extra["decisions"] = [[r.step, list(r.decision.batch_sizes)] for r in dynamix.history]
         write_plan(self.file, strategy.committed_plan, strategy.replica, True, **extra)
 
 
@@ -48,6 +59,11 @@ strategy = FaultTolerantStrategy(
     GLOBAL_BATCH, lighthouse=lighthouse, replica_id=replica_id, batch_size=batch_size, seed=3, timeout=5.0
 )
 model = Slow(num_samples=NUM_SAMPLES)
-trainer = quiet_trainer(strategy=strategy, devices=1, max_steps=STEPS, callbacks=[Log()], limit_val_batches=0)
+callbacks = [Log()]
+if seconds_per_sample > 0:
+    strategy.time_source = HostClock(lambda: now[0])
+    dynamix = DynamixCallback("pid", interval=2, warmup_steps=1, controller_kwargs={"smoothing": 0.0})
+    callbacks.append(dynamix)
+trainer = quiet_trainer(strategy=strategy, devices=1, max_steps=STEPS, callbacks=callbacks, limit_val_batches=0)
 trainer.fit(model)
 torch.save({k: v.clone() for k, v in model.net.state_dict().items()}, out / f"{replica_id}.pt")
