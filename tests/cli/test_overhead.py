@@ -44,32 +44,6 @@ def test_bench_overhead_with_the_callback_also_measures_the_callbacks_own_work(t
     assert result["callback_cost_fraction_of_ddp_step"] == pytest.approx(expected)
 
 
-def test_bench_elastic_preempts_a_node_under_torch_elastic_and_loses_no_step_with_the_preemption_checkpoint(tmp_path):
-    out = tmp_path / "elastic.json"
-    printed = dynamix(
-        # 10 steps per epoch; the node leaves at step 5 and is back at step 10, with ~15 s of training left
-        "bench", "elastic", "--scenarios", "preemption", "--epochs", "30", "--num-samples", "3840",
-        "--val-checks", "1", "--preempt-at", "0.5", "--back-at", "1",
-        "--target", "0.5", "--workdir", str(tmp_path / "work"), "--output", str(out),
-        cwd=tmp_path,
-    )  # fmt: skip
-    result = json.loads(out.read_text())
-    (run,) = result["runs"]["PreemptionCheckpoint"]
-    assert run["launches"][:2] == [[3, 0], [2, run["launches"][1][1]]]
-    assert run["launches"][1][1] >= 5  # saved at or after the step of the notice
-    assert run["steps_lost"] == 0
-    assert run["steps"] == 30 * 10
-    assert run["notice_to_training"] > 0
-    assert run["notice_to_step_reached"] == run["notice_to_training"]  # nothing to train again
-    assert not run["back_after_the_end"]
-    # the node came back while the job still trained, or as it wound down: then torch elastic restarted
-    # the group once more, which resumed the end (PreemptionCheckpoint saves it) and trained nothing
-    assert run["launches"][-1][0] == 3
-    if run["launches"][-1][1] < run["steps"]:
-        assert run["back_to_training_on_all"] > 0
-    assert "| PreemptionCheckpoint | 0 |" in printed
-
-
 def test_bench_elastic_kills_a_torchft_replica_without_notice_and_the_others_lose_no_committed_step(tmp_path):
     out = tmp_path / "elastic.json"
     printed = dynamix(
