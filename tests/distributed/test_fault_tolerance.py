@@ -1,7 +1,7 @@
 """Per-step fault tolerance on torchft: replicas killed and joining while the others keep training.
 
-The same timeline runs twice: replicas of a plain PyTorch loop on FaultTolerantReplica, and of a Lightning
-Trainer with FaultTolerantStrategy."""
+The same timeline runs three times: replicas of a plain PyTorch loop on FaultTolerantReplica, of a Lightning
+Trainer with FaultTolerantStrategy, and of an Accelerate loop with FaultTolerantAccelerate."""
 
 from __future__ import annotations
 
@@ -54,7 +54,11 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module", params=["ft_replica_job.py", "ft_lightning_job.py"], ids=["loop", "lightning"])
+@pytest.fixture(
+    scope="module",
+    params=["ft_replica_job.py", "ft_lightning_job.py", "ft_accelerate_job.py"],
+    ids=["loop", "lightning", "accelerate"],
+)
 def killed_and_joined(request, tmp_path_factory):
     """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice: it sends
     it itself, so that the step it dies in is never a race) inside a step after three it trained beside r0, and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState, PartialState
 from accelerate.utils import GradientAccumulationPlugin
@@ -44,3 +45,44 @@ def test_all_reducing_every_accumulated_batch_is_refused(make_accelerator):
     plugin = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True)
     with pytest.raises(ValueError, match=r"sync_each_batch=True.*Use sync_each_batch=False"):
         DynamixAccelerate(make_accelerator(gradient_accumulation_plugin=plugin))
+
+
+def test_fault_tolerant_accelerate_refuses_what_it_cannot_do_naming_why(make_accelerator, monkeypatch):
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    address = "http://127.0.0.1:29510"
+    with pytest.raises(ValueError, match="`lighthouse`"):
+        FaultTolerantAccelerate(make_accelerator(), 12)
+    with pytest.raises(ValueError, match="`global_batch_size`"):
+        FaultTolerantAccelerate(make_accelerator(), 0, lighthouse=address)
+    with pytest.raises(ValueError, match="`batch_size`"):
+        FaultTolerantAccelerate(make_accelerator(), 12, lighthouse=address, batch_size=0)
+    with pytest.raises(ValueError, match="`controller`"):
+        FaultTolerantAccelerate(make_accelerator(), 12, lighthouse=address, controller="fastest")
+    dynamix = FaultTolerantAccelerate(make_accelerator(), 12, lighthouse=address)
+    with pytest.raises(RuntimeError, match=r"prepare\(\) must come before"):
+        next(dynamix.batches(max_steps=1))
+    model = nn.Linear(2, 2)
+    loader = DataLoader(TensorDataset(torch.zeros(4, 2)), batch_size=2)
+    with pytest.raises(ValueError, match="`train_dataset`, not a DataLoader"):
+        dynamix.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, train_dataset=loader.dataset)
+
+
+def test_fault_tolerant_accelerate_refuses_fp16_and_accumulation(make_accelerator):
+    from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
+
+    with pytest.raises(ValueError, match=r"mixed_precision='fp16'.*'bf16'"):
+        FaultTolerantAccelerate(make_accelerator(mixed_precision="fp16"), 12, lighthouse="http://127.0.0.1:29510")
+
+
+def test_fault_tolerant_accelerate_refuses_gradient_accumulation(make_accelerator):
+    from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
+
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*`global_batch_size`"):
+        FaultTolerantAccelerate(
+            make_accelerator(gradient_accumulation_steps=2), 12, lighthouse="http://127.0.0.1:29510"
+        )

@@ -1,0 +1,296 @@
+"""Per-step fault tolerance (torchft) for a Hugging Face Accelerate loop: machines fail, leave and join while the
+others keep training.
+
+:class:`FaultTolerantAccelerate` sits beside an ``Accelerator`` of one process, one on every machine: each
+process is a replica of the job (:mod:`lightning_dynamix.distributed.fault_tolerance`). Its
+:meth:`~FaultTolerantAccelerate.prepare` passes the model, optimizer and schedulers to ``accelerator.prepare``
+(device placement, bf16 autocast) and keeps the training dataset, whose batches
+:meth:`~FaultTolerantAccelerate.batches` plans step by step from each step's quorum.
+:meth:`~FaultTolerantAccelerate.backward` back-propagates through ``accelerator.backward``, sums the weighted
+gradients over the step's participants and says whether the step was committed: step the optimizer only then.
+A step that was not (a participant died) is planned again, as the next batch, for the next quorum's members. A
+replica that joins receives the model's, optimizers' and schedulers' state (and what
+:meth:`~FaultTolerantAccelerate.register` adds) from a peer, with the job's position, and iterates from the
+job's step.
+
+```python
+accelerator = Accelerator()  # accelerate launch --num_processes 1 (or python): one process, one replica
+dynamix = FaultTolerantAccelerate(accelerator, global_batch_size=48, lighthouse="http://10.0.0.1:29510")
+model, optimizer = dynamix.prepare(model, optimizer, train_dataset=dataset)
+for x, y in dynamix.batches(max_steps=500):
+    loss = F.cross_entropy(model(x), y)
+    if dynamix.backward(loss):
+        optimizer.step()
+    optimizer.zero_grad()
+dynamix.close()
+```
+
+With a ``controller`` (``"pid"``, ``"goodput"``, ``"ppo"``, as ``DynamixAccelerate``'s) the replicas' sizes follow
+its decisions (:class:`~lightning_dynamix.distributed.fault_tolerance.ReplicaBalancer`), timed on the device.
+
+Why not ``DynamixAccelerate`` itself: it is built on one process group over all ranks of a launch (its weighted
+DDP hook, its resized DataLoader and its gathers). torchft replaces that group by one whose members change at
+every quorum, outside DDP, and needs every step planned only once its quorum is known. What is refused, at
+construction, and why:
+
+* more than one process per replica (``num_processes > 1``): a replica of several processes (a machine's GPUs)
+  needs torchft's replica groups, which this package does not build yet;
+* ``mixed_precision="fp16"``: each replica's GradScaler keeps a scale of its own, so the summed gradients would mix
+  scales and one replica could skip a step the others take; use ``"bf16"`` (no scaler) or ``"no"``;
+* gradient accumulation: raise ``global_batch_size`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset, default_collate
+
+from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix.control import BatchController
+from lightning_dynamix.data.loader import EmptyBatch
+from lightning_dynamix.distributed.fault_tolerance import (
+    FaultTolerantReplica,
+    ReplicaBalancer,
+    StepBatches,
+    StepPlan,
+    lighthouse_host_port,
+)
+from lightning_dynamix.loop import DecisionMaker, IntervalRecord, build_controller
+from lightning_dynamix.metrics.clocks import time_source_for
+
+
+class FaultTolerantAccelerate:
+    """One replica of a fault-tolerant Accelerate job (module docstring).
+
+    Args:
+        accelerator: an ``Accelerator`` of one process.
+        global_batch_size: samples per step over all the step's participants, >= 1.
+        lighthouse: the lighthouse's address, ``http://HOST:PORT``; ``None`` reads ``TORCHFT_LIGHTHOUSE``.
+        replica_id: this machine's name; ``None`` reads ``REPLICA_GROUP_ID``, else the host name.
+        host: the address the other replicas reach this one at.
+        batch_size: the size this replica asks for (a weight of the global batch); ``None``: an even share.
+            With a ``controller``, what it asks for until the first decision.
+        min_replicas: commit a step only with at least this many participants.
+        timeout: seconds before a collective, commit or recovery is given up (the step is then trained again).
+        quorum_timeout: seconds to wait for a quorum.
+        seed: the epochs' order's seed (the same on every replica).
+        shuffle: a new order every epoch, or the dataset's order.
+        controller: ``None`` (the sizes asked for stay ``batch_size``), a controller's name or object.
+        interval: committed steps between two decisions of the controller.
+        warmup_steps: this process's first steps, not measured.
+        controller_kwargs: arguments for a controller given by name.
+
+    Raises:
+        ValueError: for a bad argument, naming it, and for what the module docstring lists as refused.
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        global_batch_size: int,
+        lighthouse: str | None = None,
+        replica_id: str | None = None,
+        host: str = "127.0.0.1",
+        batch_size: int | None = None,
+        min_replicas: int = 1,
+        timeout: float = 10.0,
+        quorum_timeout: float = 60.0,
+        seed: int = 0,
+        shuffle: bool = True,
+        controller: str | BatchController | None = None,
+        interval: int = 10,
+        warmup_steps: int = 5,
+        controller_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        require_int("global_batch_size", global_batch_size, 1)
+        if batch_size is not None:
+            require_int("batch_size", batch_size, 1)
+        require_int("min_replicas", min_replicas, 1)
+        require_int("seed", seed, 0)
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+            require_number(name, value, 0.0, math.inf, low_open=True, high_open=True)
+        if accelerator.num_processes != 1:
+            raise ValueError(
+                f"FaultTolerantAccelerate runs one process per replica, but the accelerator has"
+                f" num_processes={accelerator.num_processes}: launch one process on each machine"
+                " (accelerate launch --num_processes 1, or python)"
+            )
+        if accelerator.mixed_precision == "fp16":
+            raise ValueError(
+                "FaultTolerantAccelerate cannot use mixed_precision='fp16': each replica's GradScaler has a scale of"
+                " its own, so the replicas' summed gradients would mix scales; use 'bf16' or 'no'"
+            )
+        if accelerator.gradient_accumulation_steps != 1:
+            raise ValueError(
+                f"FaultTolerantAccelerate does not accumulate gradients (gradient_accumulation_steps="
+                f"{accelerator.gradient_accumulation_steps}): raise `global_batch_size` instead"
+            )
+        lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError(
+                "`lighthouse` is needed: the address of the job's torchft lighthouse (http://HOST:PORT),"
+                " given here or in the TORCHFT_LIGHTHOUSE environment variable"
+            )
+        lighthouse_host_port(lighthouse)
+        self.accelerator = accelerator
+        self.global_batch_size = global_batch_size
+        self.lighthouse = lighthouse
+        self.replica_id = replica_id or os.environ.get("REPLICA_GROUP_ID") or socket.gethostname()
+        self.host = host
+        self.batch_size = batch_size
+        self.min_replicas = min_replicas
+        self.timeout = timeout
+        self.quorum_timeout = quorum_timeout
+        self.seed = seed
+        self.shuffle = shuffle
+        self.balancer: ReplicaBalancer | None = None
+        if controller is not None:
+            built, name = build_controller(controller, controller_kwargs, None, None, "none")
+            maker = DecisionMaker(built, name, "none", "FaultTolerantAccelerate")
+            self.balancer = ReplicaBalancer(maker, interval=interval, warmup_steps=warmup_steps)
+        self.replica: FaultTolerantReplica | None = None
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[Any] = []
+        self._schedulers: list[Any] = []
+        self._registered: list[Any] = []
+        self._batches: StepBatches | None = None
+
+    @property
+    def history(self) -> list[IntervalRecord]:
+        """The controller's decisions (the same on every replica); empty without a controller."""
+        return self.balancer.history if self.balancer is not None else []
+
+    @property
+    def plan(self) -> StepPlan | None:
+        """The plan of the batch handed out last: its step, sizes, this replica's share."""
+        return self._batches.plan if self._batches is not None else None
+
+    @property
+    def step(self) -> int:
+        """The job's committed steps."""
+        return self.replica.step if self.replica is not None else 0
+
+    def register(self, obj: Any) -> None:
+        """Something with ``state_dict()`` and ``load_state_dict()`` that a joining replica receives too."""
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ValueError(f"register() needs an object with state_dict() and load_state_dict(), got {obj!r}")
+        self._registered.append(obj)
+
+    def prepare(self, *objects: Any, train_dataset: Dataset, collate_fn: Any = None) -> Any:
+        """``accelerator.prepare(*objects)`` (models, optimizers, schedulers; no training DataLoader) and this
+        replica's link to the job, training on ``train_dataset`` (map-style). Returns what Accelerate returns."""
+        if self.replica is not None:
+            raise RuntimeError("FaultTolerantAccelerate.prepare() is called once")
+        if any(isinstance(obj, torch.utils.data.DataLoader) for obj in objects):
+            raise ValueError(
+                "FaultTolerantAccelerate plans every training batch from its step's quorum: give the training"
+                " dataset as `train_dataset`, not a DataLoader"
+            )
+        prepared = self.accelerator.prepare(*objects)
+        items = prepared if isinstance(prepared, tuple) else (prepared,)
+        for item in items:
+            if isinstance(item, torch.nn.Module):
+                self._models.append(item)
+            elif hasattr(item, "param_groups") or hasattr(getattr(item, "optimizer", None), "param_groups"):
+                self._optimizers.append(item)
+            elif callable(getattr(item, "state_dict", None)):
+                self._schedulers.append(item)
+        if not self._models or not self._optimizers:
+            raise ValueError("FaultTolerantAccelerate.prepare() needs the model and its optimizer")
+        self.replica = FaultTolerantReplica(
+            len(train_dataset),  # type: ignore[arg-type]
+            self.global_batch_size,
+            self._state_dict,
+            self._load_state_dict,
+            lighthouse=self.lighthouse,
+            replica_id=self.replica_id,
+            host=self.host,
+            min_replicas=self.min_replicas,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            timeout=self.timeout,
+            quorum_timeout=self.quorum_timeout,
+            backend="nccl" if self.accelerator.device.type == "cuda" else "gloo",
+            balancer=self.balancer,
+            time_source=time_source_for(self.accelerator.device),
+        )
+        self._batches = StepBatches(self.replica, train_dataset, collate_fn or default_collate, self.batch_size)
+        return prepared
+
+    def _state_dict(self) -> dict[str, Any]:
+        return {
+            "models": [self.accelerator.unwrap_model(model).state_dict() for model in self._models],
+            "optimizers": [optimizer.state_dict() for optimizer in self._optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in self._schedulers],
+            "registered": [obj.state_dict() for obj in self._registered],
+        }
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
+        groups = (
+            ([self.accelerator.unwrap_model(m) for m in self._models], state["models"]),
+            (self._optimizers, state["optimizers"]),
+            (self._schedulers, state["schedulers"]),
+            (self._registered, state["registered"]),
+        )
+        for objects, saved in groups:
+            for obj, value in zip(objects, saved, strict=True):
+                obj.load_state_dict(value)
+
+    def batches(self, max_steps: int) -> Iterator[Any]:
+        """The training batches until the job has committed ``max_steps`` steps, epoch after epoch, each moved to
+        the accelerator's device. A step this replica has no samples at (an epoch's end with more participants
+        than samples) is taken here with a zero gradient, and not handed out."""
+        require_int("max_steps", max_steps, 1)
+        if self.replica is None or self._batches is None:
+            raise RuntimeError("FaultTolerantAccelerate.prepare() must come before batches()")
+        while self.replica.step < max_steps:
+            batch = self._batches.next_batch()
+            if self.replica.step >= max_steps:  # a joiner may have received the state of a finished job
+                return
+            if isinstance(batch, EmptyBatch):
+                self._zero_step()
+                continue
+            yield _to_device(batch, self.accelerator.device)
+
+    def _zero_step(self) -> None:
+        for model in self._models:
+            model.zero_grad(set_to_none=True)
+        if self.backward(None):
+            for optimizer in self._optimizers:
+                optimizer.step()
+        for optimizer in self._optimizers:
+            optimizer.zero_grad()
+
+    def backward(self, loss: torch.Tensor | None) -> bool:
+        """Back-propagate ``loss`` (``accelerator.backward``), sum the weighted gradients over the step's
+        participants, and return whether the step is committed: step the optimizer only then (``None``: no
+        samples here, a zero gradient)."""
+        if self.replica is None:
+            raise RuntimeError("FaultTolerantAccelerate.prepare() must come before backward()")
+        if loss is not None:
+            self.accelerator.backward(loss)
+        parameters = [p for model in self._models for p in model.parameters()]
+        self.replica.sync_gradients(parameters)
+        return self.replica.commit()
+
+    def close(self) -> None:
+        """Leave the job: the others go on without this replica."""
+        if self.replica is not None:
+            self.replica.close()
+            self.replica = None
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    return batch
