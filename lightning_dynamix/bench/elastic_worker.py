@@ -11,7 +11,8 @@ from the last one). Every launch (each group torch elastic forms) resumes with
 
 ``"torchft"``: no torch elastic. The bench starts one process per node itself (``NODE`` its name), each a
 replica of a :class:`~lightning_dynamix.strategies.FaultTolerantStrategy` job meeting at the lighthouse in
-``TORCHFT_LIGHTHOUSE``, asking for a batch in proportion to its speed. Every replica appends its ``start``
+``TORCHFT_LIGHTHOUSE``, asking first for a batch in proportion to its speed, then for what pid decides (as in
+the other scenarios; a replica that joins asks for a probe until measured). Every replica appends its ``start``
 and committed ``step`` events (the step's participants as ``world``) to the timeline; the first node also
 its ``val`` events.
 """
@@ -57,6 +58,8 @@ class Timeline(Callback):
         if plan is not None:
             world = plan.participants
             fields["failed"] = trainer.strategy.replica.failed  # steps not committed so far
+            if event == "step":
+                fields["sizes"] = list(plan.batch_sizes)
         line = {"event": event, "t": time.time(), "world": world, "step": trainer.global_step, **fields}
         if self.node is not None:
             line["node"] = self.node
@@ -134,7 +137,11 @@ def fault_tolerant(out: Path, config: dict[str, Any], node: str) -> None:
         val_check_interval=1.0 / config["val_checks_per_epoch"],
         limit_val_batches=1.0 if first else 0,
         num_sanity_val_steps=0,
-        callbacks=[SlowCompute(config["slowdowns"][node]), Timeline(out / "timeline", node, first)],
+        callbacks=[
+            SlowCompute(config["slowdowns"][node]),
+            DynamixCallback("pid", interval=config["interval"], warmup_steps=config["interval"]),
+            Timeline(out / "timeline", node, first),
+        ],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
