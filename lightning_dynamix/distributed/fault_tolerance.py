@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -565,6 +566,87 @@ class FaultTolerantReplica:
     def close(self) -> None:
         """Leave the job: the others go on without this replica."""
         self.manager.shutdown(wait=False)
+
+
+@dataclass(frozen=True)
+class ReplicaSettings:
+    """What a replica of a job is given, checked: the arguments ``FaultTolerantStrategy`` and
+    ``FaultTolerantAccelerate`` share (see either for their meaning). Build it with :meth:`checked`."""
+
+    global_batch_size: int
+    lighthouse: str
+    replica_id: str
+    host: str = "127.0.0.1"
+    batch_size: int | None = None
+    min_replicas: int = 1
+    timeout: float = 10.0
+    quorum_timeout: float = 60.0
+    seed: int = 0
+    shuffle: bool = True
+
+    @classmethod
+    def checked(
+        cls,
+        global_batch_size: int,
+        lighthouse: str | None = None,
+        replica_id: str | None = None,
+        host: str = "127.0.0.1",
+        batch_size: int | None = None,
+        min_replicas: int = 1,
+        timeout: float = 10.0,
+        quorum_timeout: float = 60.0,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> ReplicaSettings:
+        """The settings, each checked (a clear ``ValueError`` naming it); ``lighthouse`` ``None`` reads
+        ``TORCHFT_LIGHTHOUSE``, ``replica_id`` ``None`` reads ``REPLICA_GROUP_ID``, else the host name."""
+        require_int("global_batch_size", global_batch_size, 1)
+        if batch_size is not None:
+            require_int("batch_size", batch_size, 1)
+        require_int("min_replicas", min_replicas, 1)
+        require_int("seed", seed, 0)
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
+            require_number(name, value, 0.0, math.inf, low_open=True, high_open=True)
+        lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError(
+                "`lighthouse` is needed: the address of the job's torchft lighthouse (http://HOST:PORT),"
+                " given here or in the TORCHFT_LIGHTHOUSE environment variable"
+            )
+        lighthouse_host_port(lighthouse)  # a clear error now for a malformed address
+        replica_id = replica_id or os.environ.get("REPLICA_GROUP_ID") or socket.gethostname()
+        return cls(
+            global_batch_size, lighthouse, replica_id, host, batch_size, min_replicas, timeout, quorum_timeout, seed,
+            bool(shuffle),
+        )  # fmt: skip
+
+    def replica(
+        self,
+        num_samples: int,
+        state_dict: Callable[[], dict[str, Any]],
+        load_state_dict: Callable[[dict[str, Any]], None],
+        backend: str,
+        balancer: ReplicaBalancer | None,
+        time_source: TimeSource | None,
+    ) -> FaultTolerantReplica:
+        """This replica's :class:`FaultTolerantReplica` for a dataset of ``num_samples``."""
+        return FaultTolerantReplica(
+            num_samples,
+            self.global_batch_size,
+            state_dict,
+            load_state_dict,
+            lighthouse=self.lighthouse,
+            replica_id=self.replica_id,
+            host=self.host,
+            min_replicas=self.min_replicas,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            timeout=self.timeout,
+            quorum_timeout=self.quorum_timeout,
+            backend=backend,
+            balancer=balancer,
+            time_source=time_source,
+        )
 
 
 def steps_left_in_epoch(num_samples: int, global_batch: int, cursor: int) -> int:

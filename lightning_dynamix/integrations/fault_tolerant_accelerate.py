@@ -42,24 +42,21 @@ construction, and why:
 
 from __future__ import annotations
 
-import math
-import os
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
-from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import BatchController
 from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
     ReplicaBalancer,
+    ReplicaSettings,
     StepBatches,
     StepPlan,
-    lighthouse_host_port,
 )
 from lightning_dynamix.loop import DecisionMaker, IntervalRecord, build_controller
 from lightning_dynamix.metrics.clocks import time_source_for
@@ -108,13 +105,10 @@ class FaultTolerantAccelerate:
         warmup_steps: int = 5,
         controller_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        require_int("global_batch_size", global_batch_size, 1)
-        if batch_size is not None:
-            require_int("batch_size", batch_size, 1)
-        require_int("min_replicas", min_replicas, 1)
-        require_int("seed", seed, 0)
-        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
-            require_number(name, value, 0.0, math.inf, low_open=True, high_open=True)
+        self.settings = ReplicaSettings.checked(
+            global_batch_size, lighthouse, replica_id, host, batch_size, min_replicas, timeout, quorum_timeout, seed,
+            shuffle,
+        )  # fmt: skip
         if accelerator.num_processes != 1:
             raise ValueError(
                 f"FaultTolerantAccelerate runs one process per replica, but the accelerator has"
@@ -131,24 +125,7 @@ class FaultTolerantAccelerate:
                 f"FaultTolerantAccelerate does not accumulate gradients (gradient_accumulation_steps="
                 f"{accelerator.gradient_accumulation_steps}): raise `global_batch_size` instead"
             )
-        lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
-        if not lighthouse:
-            raise ValueError(
-                "`lighthouse` is needed: the address of the job's torchft lighthouse (http://HOST:PORT),"
-                " given here or in the TORCHFT_LIGHTHOUSE environment variable"
-            )
-        lighthouse_host_port(lighthouse)
         self.accelerator = accelerator
-        self.global_batch_size = global_batch_size
-        self.lighthouse = lighthouse
-        self.replica_id = replica_id or os.environ.get("REPLICA_GROUP_ID") or socket.gethostname()
-        self.host = host
-        self.batch_size = batch_size
-        self.min_replicas = min_replicas
-        self.timeout = timeout
-        self.quorum_timeout = quorum_timeout
-        self.seed = seed
-        self.shuffle = shuffle
         self.balancer: ReplicaBalancer | None = None
         if controller is not None:
             built, name = build_controller(controller, controller_kwargs, None, None, "none")
@@ -203,24 +180,17 @@ class FaultTolerantAccelerate:
                 self._schedulers.append(item)
         if not self._models or not self._optimizers:
             raise ValueError("FaultTolerantAccelerate.prepare() needs the model and its optimizer")
-        self.replica = FaultTolerantReplica(
+        self.replica = self.settings.replica(
             len(train_dataset),  # type: ignore[arg-type]
-            self.global_batch_size,
             self._state_dict,
             self._load_state_dict,
-            lighthouse=self.lighthouse,
-            replica_id=self.replica_id,
-            host=self.host,
-            min_replicas=self.min_replicas,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            timeout=self.timeout,
-            quorum_timeout=self.quorum_timeout,
-            backend="nccl" if self.accelerator.device.type == "cuda" else "gloo",
-            balancer=self.balancer,
-            time_source=time_source_for(self.accelerator.device),
+            "nccl" if self.accelerator.device.type == "cuda" else "gloo",
+            self.balancer,
+            time_source_for(self.accelerator.device),
         )
-        self._batches = StepBatches(self.replica, train_dataset, collate_fn or default_collate, self.batch_size)
+        self._batches = StepBatches(
+            self.replica, train_dataset, collate_fn or default_collate, self.settings.batch_size
+        )
         return prepared
 
     def _state_dict(self) -> dict[str, Any]:

@@ -27,9 +27,6 @@ checkpoints on its own.
 from __future__ import annotations
 
 import logging
-import math
-import os
-import socket
 from typing import Any
 
 import torch
@@ -42,13 +39,12 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_dynamix import _compat
-from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
     ReplicaBalancer,
+    ReplicaSettings,
     StepBatches,
-    lighthouse_host_port,
 )
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 
@@ -96,30 +92,10 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(device=device, **kwargs)
-        require_int("global_batch_size", global_batch_size, 1)
-        if batch_size is not None:
-            require_int("batch_size", batch_size, 1)
-        require_int("min_replicas", min_replicas, 1)
-        require_int("seed", seed, 0)
-        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout)):
-            require_number(name, value, 0.0, math.inf, low_open=True, high_open=True)
-        lighthouse = lighthouse if lighthouse is not None else os.environ.get("TORCHFT_LIGHTHOUSE")
-        if not lighthouse:
-            raise ValueError(
-                "`lighthouse` is needed: the address of the job's torchft lighthouse (http://HOST:PORT),"
-                " given here or in the TORCHFT_LIGHTHOUSE environment variable"
-            )
-        lighthouse_host_port(lighthouse)  # a clear error now for a malformed address
-        self.lighthouse = lighthouse
-        self.replica_id = replica_id or os.environ.get("REPLICA_GROUP_ID") or socket.gethostname()
-        self.host = host
-        self.global_batch_size = global_batch_size
-        self.batch_size = batch_size
-        self.min_replicas = min_replicas
-        self.timeout = timeout
-        self.quorum_timeout = quorum_timeout
-        self.seed = seed
-        self.shuffle = shuffle
+        self.settings = ReplicaSettings.checked(
+            global_batch_size, lighthouse, replica_id, host, batch_size, min_replicas, timeout, quorum_timeout, seed,
+            shuffle,
+        )  # fmt: skip
         self.replica: FaultTolerantReplica | None = None
         self.balancer: ReplicaBalancer | None = None
         """The controller the replica asks its sizes of (set by ``DynamixCallback``); ``None``: ``batch_size``."""
@@ -129,6 +105,11 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         """The plan of the step the last training batch committed (:class:`StepPlan`)."""
         self._batches: StepBatches | None = None
         self._step_args: tuple[Any, ...] = ()
+
+    @property
+    def lighthouse(self) -> str:
+        """The lighthouse's address this replica meets the others at."""
+        return self.settings.lighthouse
 
     @property
     def backend(self) -> str:
@@ -163,7 +144,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                 "FaultTolerantStrategy needs the training data as a torch DataLoader over a map-style dataset,"
                 f" got {type(dataloader).__name__}."
             )
-        batch_size = self.batch_size if self.batch_size is not None else dataloader.batch_size
+        batch_size = self.settings.batch_size if self.settings.batch_size is not None else dataloader.batch_size
         if dataloader.num_workers > 0:
             rank_zero_warn(
                 f"FaultTolerantStrategy reads the training samples in the training process (each step's are known"
@@ -171,22 +152,13 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
                 " for training data."
             )
         if self.replica is None:
-            self.replica = FaultTolerantReplica(
+            self.replica = self.settings.replica(
                 len(dataloader.dataset),  # type: ignore[arg-type]
-                self.global_batch_size,
                 self._state_dict,
                 self._load_state_dict,
-                lighthouse=self.lighthouse,
-                replica_id=self.replica_id,
-                host=self.host,
-                min_replicas=self.min_replicas,
-                shuffle=self.shuffle,
-                seed=self.seed,
-                timeout=self.timeout,
-                quorum_timeout=self.quorum_timeout,
-                backend=self.backend,
-                balancer=self.balancer,
-                time_source=self.time_source if self.time_source is not None else time_source_for(self.root_device),
+                self.backend,
+                self.balancer,
+                self.time_source if self.time_source is not None else time_source_for(self.root_device),
             )
         elif len(dataloader.dataset) != self.replica.num_samples:  # type: ignore[arg-type]
             raise MisconfigurationException(

@@ -261,6 +261,28 @@ class VirtualCompute(Callback):
         self.now += samples * self.seconds_per_sample * self.factor(trainer.global_rank, trainer.global_step)
 
 
+def replica_state(network, optimizer):
+    """The ``state_dict`` and ``load_state_dict`` a fault-tolerant replica (ft_*_job.py) gives a joiner: its
+    network's and optimizer's."""
+
+    def state_dict():
+        return {"model": network.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load_state_dict(state):
+        network.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+    return state_dict, load_state_dict
+
+
+def wait_to_join(join_file) -> None:
+    """A replica that joins later (ft_*_job.py) waits, its imports done, until ``join_file`` (if any) exists."""
+    import time
+
+    while join_file is not None and not join_file.exists():
+        time.sleep(0.01)
+
+
 def inside_a_step(out, replica_id: str, step: int, pause: float) -> None:
     """Called inside every step of a fault-tolerant replica (ft_*_job.py), before its gradients are synchronised:
     where the test left ``<out>/<replica_id>.die``, the replica writes the step to ``<out>/killed`` and SIGKILLs

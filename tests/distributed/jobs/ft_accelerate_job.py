@@ -8,13 +8,12 @@ exists (common.inside_a_step). With JOIN_FILE it joins once that file exists.
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, write_plan
+from common import IndexedDataset, inside_a_step, make_network, make_optimizer, wait_to_join, write_plan
 
 from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
 
@@ -27,8 +26,7 @@ join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 accelerator = Accelerator(cpu=True)
 network = make_network(0)
 optimizer = make_optimizer("sgd", network.parameters())
-while join_file is not None and not join_file.exists():
-    time.sleep(0.01)
+wait_to_join(join_file)
 dynamix = FaultTolerantAccelerate(
     accelerator, GLOBAL_BATCH, lighthouse=lighthouse, replica_id=replica_id, batch_size=batch_size, seed=3, timeout=5.0
 )

@@ -11,12 +11,11 @@ there once OUT_DIR/REPLICA_ID.die exists (common.inside_a_step). With JOIN_FILE 
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, write_plan
+from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_state, wait_to_join, write_plan
 
 from lightning_dynamix.control import PIDController
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica, ReplicaBalancer, machine_key
@@ -33,19 +32,8 @@ data = IndexedDataset(NUM_SAMPLES)
 network = make_network(0)
 optimizer = make_optimizer("sgd", network.parameters())
 now = [0.0]  # the virtual clock: moved by this replica's own samples only
-
-
-def state_dict():
-    return {"model": network.state_dict(), "optimizer": optimizer.state_dict()}
-
-
-def load_state_dict(state):
-    network.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-
-
-while join_file is not None and not join_file.exists():
-    time.sleep(0.01)
+state_dict, load_state_dict = replica_state(network, optimizer)
+wait_to_join(join_file)
 maker = DecisionMaker(PIDController(smoothing=0.0), "pid", "none", "ft_balanced_job")
 balancer = ReplicaBalancer(maker, interval=INTERVAL, warmup_steps=1)
 replica = FaultTolerantReplica(

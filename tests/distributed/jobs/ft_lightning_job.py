@@ -14,11 +14,10 @@ steps), timing the replica on a virtual clock that only its own samples move, th
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
-from common import Net, inside_a_step, quiet_trainer, write_plan
+from common import Net, inside_a_step, quiet_trainer, wait_to_join, write_plan
 from lightning.pytorch import Callback
 
 from lightning_dynamix.callbacks import DynamixCallback
@@ -53,8 +52,7 @@ class Log(Callback):
         write_plan(self.file, strategy.committed_plan, strategy.replica, True, **extra)
 
 
-while join_file is not None and not join_file.exists():
-    time.sleep(0.01)
+wait_to_join(join_file)
 strategy = FaultTolerantStrategy(
     GLOBAL_BATCH, lighthouse=lighthouse, replica_id=replica_id, batch_size=batch_size, seed=3, timeout=5.0
 )

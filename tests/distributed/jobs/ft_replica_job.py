@@ -10,12 +10,11 @@ imports done before: a joiner that is ready, as a spare machine would be).
 """
 
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, write_plan
+from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_state, wait_to_join, write_plan
 
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica
 
@@ -29,19 +28,8 @@ join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 data = IndexedDataset(NUM_SAMPLES)
 network = make_network(0)
 optimizer = make_optimizer("sgd", network.parameters())
-
-
-def state_dict():
-    return {"model": network.state_dict(), "optimizer": optimizer.state_dict()}
-
-
-def load_state_dict(state):
-    network.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-
-
-while join_file is not None and not join_file.exists():
-    time.sleep(0.01)
+state_dict, load_state_dict = replica_state(network, optimizer)
+wait_to_join(join_file)
 replica = FaultTolerantReplica(
     NUM_SAMPLES,
     GLOBAL_BATCH,
