@@ -582,3 +582,83 @@ def _weighted_loss(pairs: list[tuple[float, float]]) -> float:
     if len(finite) != len(pairs) or not finite:
         return NAN
     return sum(b * v for b, v in finite) / sum(b for b, _ in finite)
+
+
+class ReplicaBalancer:
+    """A controller's sizes for the replicas of a fault-tolerant job; the same on every replica.
+
+    (:mod:`lightning_dynamix.distributed.fault_tolerance`'s docstring says how the replicas use it.)
+
+    Args:
+        maker: the controller and its checks (``DynamixCallback.maker``), keyed by machine.
+        interval: committed steps between two decisions, >= 1.
+        warmup_steps: a replica's first steps in its process that are not measured (start-up is slow), >= 0.
+        min_batch_size: the smallest size a decision gives a replica, >= 1 (a replica asks for a share: it
+            cannot sit steps out).
+        max_batch_size: the largest, or ``None``.
+        history: where each decision's :class:`~lightning_dynamix.loop.IntervalRecord` is appended.
+    """
+
+    def __init__(
+        self,
+        maker: DecisionMaker,
+        interval: int = 10,
+        warmup_steps: int = 5,
+        min_batch_size: int = 1,
+        max_batch_size: int | None = None,
+        history: list[IntervalRecord] | None = None,
+    ) -> None:
+        require_int("interval", interval, 1)
+        require_int("warmup_steps", warmup_steps, 0)
+        require_int("min_batch_size", min_batch_size, 1)
+        if max_batch_size is not None:
+            require_int("max_batch_size", max_batch_size, min_batch_size)
+        self.maker = maker
+        self.interval = interval
+        self.warmup_steps = warmup_steps
+        self.min_batch_size = min_batch_size
+        self.max_batch_size = max_batch_size
+        self.history: list[IntervalRecord] = history if history is not None else []
+        self.decided: dict[int, int] = {}
+        """The latest decision: each machine's size, by :func:`machine_key`."""
+        self._started = time.monotonic()
+
+    def decide(self, step: int, epoch: int, keys: Sequence[int], measured: Sequence[tuple[float, int, int]]) -> bool:
+        """At a decision step (``step`` a multiple of ``interval``) where every participant measured steps:
+        the controller's decision for the participants ``keys`` from ``measured`` (each one's seconds over
+        its measured steps, how many, at which size). Returns whether it decided (the replicas then start
+        measuring afresh)."""
+        if step == 0 or step % self.interval != 0 or any(steps < 1 for _, steps, _ in measured):
+            return False
+        workers = tuple(
+            WorkerMetrics(
+                rank=rank,
+                batch_size=size,
+                data_time=0.0,
+                compute_time=seconds / steps,
+                sync_wait=0.0,
+                step_time=seconds / steps,
+                samples_per_s=size * steps / seconds if seconds > 0 else math.nan,
+            )
+            for rank, (seconds, steps, size) in enumerate(measured)
+        )
+        state = ClusterState(
+            workers=workers,
+            step=step,
+            epoch=epoch,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+        )
+        self.maker.join([str(key) for key in keys])
+        current = [size for _, _, size in measured]
+        decision = self.maker.propose(state, current)
+        self.decided = {key: max(self.min_batch_size, int(size)) for key, size in zip(keys, decision.batch_sizes)}
+        self.history.append(IntervalRecord(step, time.monotonic() - self._started, state, decision))
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"maker": self.maker.state_dict(), "decided": {str(k): v for k, v in self.decided.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.maker.load_state_dict(state["maker"])
+        self.decided = {int(k): int(v) for k, v in state["decided"].items()}

@@ -29,18 +29,17 @@ own. Every step:
 The epoch's last step follows the rule of :mod:`lightning_dynamix.data.schedule`: a step that would
 leave fewer samples than one per participant takes all that remain.
 
-With a :class:`ReplicaBalancer` the sizes each replica asks for come from a controller (pid, goodput,
-ppo: ``DynamixCallback``'s). The step's all-reduce also carries every participant's machine (a hash of
-its ``replica_id``) and its own time per step (from its plan to its gradients, committed steps at one
-size), so every participant holds the same :class:`~lightning_dynamix.metrics.ClusterState` every
-``interval`` committed steps. Each runs the same controller on it (a replica that joins receives the
-controller's state with the model), keyed by machine: a machine that stays keeps what was learnt about it.
-Each then asks for its own entry of the decision, and the step's sizes are always the split of the global
-batch in proportion to what the step's participants ask: every participant computes the same sizes from
-the same all-reduced numbers, even were two controllers to disagree in a last bit. When a replica leaves,
-the next step splits the global batch over the others in proportion to their decided sizes (at once, no
-decision needed); a replica that joins asks for a probe, a quarter of the others' mean, until the next
-decision has measured it.
+With a :class:`~lightning_dynamix.loop.ReplicaBalancer` the sizes each replica asks for come from a controller
+(pid, goodput, ppo: ``DynamixCallback``'s). The step's all-reduce also carries every participant's machine (a
+hash of its ``replica_id``) and its own time per step (from its plan to its gradients, committed steps at one
+size), so every participant holds the same :class:`~lightning_dynamix.metrics.ClusterState` every ``interval``
+committed steps. Each runs the same controller on it (a replica that joins receives the controller's state
+with the model), keyed by machine: a machine that stays keeps what was learnt about it. Each then asks for its
+own entry of the decision, and the step's sizes are always the split of the global batch in proportion to what
+the step's participants ask: every participant computes the same sizes from the same all-reduced numbers, even
+were two controllers to disagree in a last bit. When a replica leaves, the next step splits the global batch
+over the others in proportion to their decided sizes (at once, no decision needed); a replica that joins asks
+for a probe, a quarter of the others' mean, until the next decision has measured it.
 
 torchft is an optional dependency (``pip install lightning-dynamix[ft]``); this module imports it only
 when a :class:`Lighthouse` or :class:`FaultTolerantReplica` is built. A lighthouse for a job:
@@ -53,11 +52,10 @@ import hashlib
 import math
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import torch
@@ -69,10 +67,6 @@ from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.data.sampler import EpochPermutation
 from lightning_dynamix.data.schedule import final_step_sizes
 from lightning_dynamix.metrics.clocks import HostClock, TimeSource
-from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
-
-if TYPE_CHECKING:
-    from lightning_dynamix.loop import DecisionMaker, IntervalRecord
 
 DEFAULT_LIGHTHOUSE_PORT = 29510
 """The port torchft's examples give the lighthouse."""
@@ -246,84 +240,20 @@ def participant_sizes(global_batch: int, requested: Sequence[float], remaining: 
     return split_in_proportion(global_batch, list(requested), [1] * n, [None] * n)
 
 
-class ReplicaBalancer:
-    """A controller's sizes for the replicas of a fault-tolerant job; the same on every replica (module docstring).
+class Balancer(Protocol):
+    """What :class:`FaultTolerantReplica` asks of the controller that decides its sizes
+    (:class:`lightning_dynamix.loop.ReplicaBalancer`)."""
 
-    Args:
-        maker: the controller and its checks (``DynamixCallback.maker``), keyed by machine.
-        interval: committed steps between two decisions, >= 1.
-        warmup_steps: a replica's first steps in its process that are not measured (start-up is slow), >= 0.
-        min_batch_size: the smallest size a decision gives a replica, >= 1 (a replica asks for a share: it
-            cannot sit steps out).
-        max_batch_size: the largest, or ``None``.
-        history: where each decision's :class:`~lightning_dynamix.loop.IntervalRecord` is appended.
-    """
-
-    def __init__(
-        self,
-        maker: DecisionMaker,
-        interval: int = 10,
-        warmup_steps: int = 5,
-        min_batch_size: int = 1,
-        max_batch_size: int | None = None,
-        history: list[IntervalRecord] | None = None,
-    ) -> None:
-        require_int("interval", interval, 1)
-        require_int("warmup_steps", warmup_steps, 0)
-        require_int("min_batch_size", min_batch_size, 1)
-        if max_batch_size is not None:
-            require_int("max_batch_size", max_batch_size, min_batch_size)
-        self.maker = maker
-        self.interval = interval
-        self.warmup_steps = warmup_steps
-        self.min_batch_size = min_batch_size
-        self.max_batch_size = max_batch_size
-        self.history: list[IntervalRecord] = history if history is not None else []
-        self.decided: dict[int, int] = {}
-        """The latest decision: each machine's size, by :func:`machine_key`."""
-        self._started = time.monotonic()
+    warmup_steps: int
+    decided: dict[int, int]
 
     def decide(self, step: int, epoch: int, keys: Sequence[int], measured: Sequence[tuple[float, int, int]]) -> bool:
-        """At a decision step (``step`` a multiple of ``interval``) where every participant measured steps:
-        the controller's decision for the participants ``keys`` from ``measured`` (each one's seconds over
-        its measured steps, how many, at which size). Returns whether it decided (the replicas then start
-        measuring afresh)."""
-        if step == 0 or step % self.interval != 0 or any(steps < 1 for _, steps, _ in measured):
-            return False
-        workers = tuple(
-            WorkerMetrics(
-                rank=rank,
-                batch_size=size,
-                data_time=0.0,
-                compute_time=seconds / steps,
-                sync_wait=0.0,
-                step_time=seconds / steps,
-                samples_per_s=size * steps / seconds if seconds > 0 else math.nan,
-            )
-            for rank, (seconds, steps, size) in enumerate(measured)
-        )
-        state = ClusterState(
-            workers=workers,
-            step=step,
-            epoch=epoch,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-        )
-        self.maker.join([str(key) for key in keys])
-        current = [size for _, _, size in measured]
-        decision = self.maker.propose(state, current)
-        self.decided = {key: max(self.min_batch_size, int(size)) for key, size in zip(keys, decision.batch_sizes)}
-        from lightning_dynamix.loop import IntervalRecord
+        """At a decision step, the decision for ``keys`` from ``measured``; whether it decided."""
+        ...
 
-        self.history.append(IntervalRecord(step, time.monotonic() - self._started, state, decision))
-        return True
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"maker": self.maker.state_dict(), "decided": {str(k): v for k, v in self.decided.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.maker.load_state_dict(state["maker"])
-        self.decided = {int(k): int(v) for k, v in state["decided"].items()}
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class FaultTolerantReplica:
@@ -345,8 +275,9 @@ class FaultTolerantReplica:
             committed).
         quorum_timeout: seconds to wait for a quorum.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA).
-        balancer: the controller whose decisions this replica asks for (:class:`ReplicaBalancer`); its state
-            travels to a joining replica with the caller's. ``None``: the sizes given to :meth:`begin_step`.
+        balancer: the controller whose decisions this replica asks for
+            (:class:`~lightning_dynamix.loop.ReplicaBalancer`); its state travels to a joining replica with the
+            caller's. ``None``: the sizes given to :meth:`begin_step`.
         time_source: what times this replica's own work (from its plan to :meth:`sync_gradients`) for the
             balancer: the host's clock by default; CUDA events on a GPU
             (:func:`~lightning_dynamix.metrics.clocks.time_source_for`), so that it is the device's time.
@@ -371,7 +302,7 @@ class FaultTolerantReplica:
         timeout: float = 10.0,
         quorum_timeout: float = 60.0,
         backend: str = "gloo",
-        balancer: ReplicaBalancer | None = None,
+        balancer: Balancer | None = None,
         time_source: TimeSource | None = None,
     ) -> None:
         require_int("num_samples", num_samples, 1)
@@ -626,7 +557,7 @@ class ReplicaSettings:
         state_dict: Callable[[], dict[str, Any]],
         load_state_dict: Callable[[dict[str, Any]], None],
         backend: str,
-        balancer: ReplicaBalancer | None,
+        balancer: Balancer | None,
         time_source: TimeSource | None,
     ) -> FaultTolerantReplica:
         """This replica's :class:`FaultTolerantReplica` for a dataset of ``num_samples``."""

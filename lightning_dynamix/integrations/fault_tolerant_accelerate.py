@@ -26,7 +26,7 @@ dynamix.close()
 ```
 
 With a ``controller`` (``"pid"``, ``"goodput"``, ``"ppo"``, as ``DynamixAccelerate``'s) the replicas' sizes follow
-its decisions (:class:`~lightning_dynamix.distributed.fault_tolerance.ReplicaBalancer`), timed on the device.
+its decisions (:class:`~lightning_dynamix.loop.ReplicaBalancer`), timed on the device.
 
 Why not ``DynamixAccelerate`` itself: it is built on one process group over all ranks of a launch (its weighted
 DDP hook, its resized DataLoader and its gathers). torchft replaces that group by one whose members change at
@@ -53,12 +53,11 @@ from lightning_dynamix.control import BatchController
 from lightning_dynamix.data.loader import EmptyBatch
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
-    ReplicaBalancer,
     ReplicaSettings,
     StepBatches,
     StepPlan,
 )
-from lightning_dynamix.loop import DecisionMaker, IntervalRecord, build_controller
+from lightning_dynamix.loop import DecisionMaker, IntervalRecord, ReplicaBalancer, build_controller
 from lightning_dynamix.metrics.clocks import time_source_for
 
 

@@ -16,11 +16,10 @@ from lightning_dynamix.distributed import free_port
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
     Lighthouse,
-    ReplicaBalancer,
     machine_key,
     participant_sizes,
 )
-from lightning_dynamix.loop import DecisionMaker
+from lightning_dynamix.loop import DecisionMaker, ReplicaBalancer
 from lightning_dynamix.strategies import FaultTolerantStrategy
 from tests.distributed.jobs.common import Net, quiet_trainer
 
