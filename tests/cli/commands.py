@@ -11,17 +11,33 @@ from pathlib import Path
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300) -> str:
+    return run_with_pid(args, cwd, timeout)[0]
+
+
+def run_with_pid(args: list[str], cwd: Path, timeout: float = 300) -> tuple[str, int]:
+    """``args`` run to its end (it must succeed): its output, stdout and stderr together, and its process id."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
         env.pop(name, None)
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
+    with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    output = stdout + stderr
     assert proc.returncode == 0, output[-6000:]
-    return output
+    return output, proc.pid
 
 
 def dynamix(*args: str, cwd: Path) -> str:
     return run([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
+
+
+def dynamix_with_pid(*args: str, cwd: Path) -> tuple[str, int]:
+    """``dynamix ARGS`` as :func:`dynamix`, and the id of its process: the hosts it made are named after it
+    (``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``)."""
+    return run_with_pid([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
 
 
 def dynamix_here(*args: str, cwd: Path, fails: bool = False) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.commands import dynamix, dynamix_here
+from tests.cli.commands import dynamix, dynamix_here, dynamix_with_pid
 
 pytestmark = pytest.mark.distributed
 
@@ -68,7 +68,7 @@ def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rat
     from lightning_dynamix.bench.hosts import MIN_BURST, leftovers
 
     out = tmp_path / "plan.json"
-    dynamix(
+    _, pid = dynamix_with_pid(
         "bench", "plan", "--servers", "1", "--rounds", "1", "--steps", "2", "--warmup", "1", "--repeats", "2",
         "--links", "0,20", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
@@ -85,7 +85,7 @@ def test_bench_plan_with_the_servers_on_a_slow_link_prices_their_rows_at_its_rat
     # the shaper sets, which a slower or busier machine only adds to
     step = 1 / row["measured_samples_per_s"] * 512
     assert step >= (rows * 64 - MIN_BURST) / 2.5e6
-    assert leftovers() == []  # the hosts are gone
+    assert leftovers(prefix=f"dx{pid}n") == []  # its hosts are gone (another test's may live beside)
     error = dynamix_here("bench", "plan", "--links", "0,20,20", cwd=tmp_path, fails=True)
     assert "--links (TRAINER,SERVER)" in error
     assert "gives 3 hosts a rate" in error
@@ -98,7 +98,7 @@ def test_bench_offload_with_the_server_on_a_slow_link_is_bound_by_it(tmp_path, h
     from lightning_dynamix.data import CTRDataModule
 
     out = tmp_path / "offload.json"
-    dynamix(
+    _, pid = dynamix_with_pid(
         "bench", "offload", "--rounds", "1", "--steps", "2", "--warmup", "1", "--servers", "1", "--skip-memory",
         "--setups", "in-process;1 server", "--links", "0,20", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
@@ -113,7 +113,7 @@ def test_bench_offload_with_the_server_on_a_slow_link_is_bound_by_it(tmp_path, h
     rows = sum(len(torch.unique(sparse[:, table])) for table in range(sparse.shape[1]))
     assert result["speed"]["1 server"]["median_step_ms"] / 1e3 >= (0.8 * rows * 64 - MIN_BURST) / 2.5e6
     assert set(result["speed"]) == {"in-process", "1 server"}  # the set-ups asked for, each run on the hosts
-    assert leftovers() == []
+    assert leftovers(prefix=f"dx{pid}n") == []
 
 
 def test_bench_placement_sets_rl_and_greedy_against_the_optimum_on_random_chains_and_the_dlrm_example(tmp_path):

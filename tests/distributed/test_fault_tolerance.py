@@ -78,7 +78,10 @@ def killed_and_joined(request, tmp_path_factory):
             wait_for(lambda: beside() >= 3, "r1's third committed step beside r0")
             (out / "r1.die").touch()
             assert r1.wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
-            wait_for(lambda: sum(s["committed"] for s in steps_of(out, "r0")) >= 8, "r0's eighth committed step")
+            # r2 joins once r0 has committed eight steps and, alone, the step r1 died in (not while r0 retries it)
+            killed = int((out / "killed").read_text())
+            committed = lambda: [s["step"] for s in steps_of(out, "r0") if s["committed"]]  # noqa: E731
+            wait_for(lambda: len(committed()) >= 8 and killed in committed(), "r0's eighth step and the retried one")
             join.touch()
             assert r0.wait(timeout=90) == 0, (out / "r0.log").read_text()[-3000:]
             assert r2.wait(timeout=90) == 0, (out / "r2.log").read_text()[-3000:]
@@ -195,6 +198,10 @@ def balanced(tmp_path_factory):
                 s for s in steps_of(out, name) if s["committed"] and s["decided_here"] and s["machines"] == machines
             ]
             wait_for(lambda: on("r1", ["r0", "r1", "r2"]), "a decision on r0, r1 and r2")
+            decided = on("r1", ["r0", "r1", "r2"])[0]["step"]
+            # r1 trains one step at the decided sizes, then dies inside the next
+            after = lambda: [s for s in steps_of(out, "r1") if s["committed"] and s["step"] > decided]  # noqa: E731
+            wait_for(after, "r1's step after the decision")
             (out / "r1.die").touch()
             assert processes["r1"].wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
             wait_for(lambda: on("r0", ["r0", "r2"]), "a decision on r0 and r2")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from lightning_dynamix.bench.hosts import Hosts, leftovers, parse_links
-from tests.cli.commands import dynamix
+from tests.cli.commands import dynamix_with_pid
 from tests.distributed.conftest import JOBS, job_environment
 
 pytestmark = pytest.mark.distributed
@@ -138,7 +138,7 @@ def test_bench_elastic_on_hosts_loses_a_node_and_takes_it_back_with_no_step_lost
     # `dynamix bench elastic` as a user runs it, every node on a host of its own behind a 20 Mbit/s link: the
     # survivors train on while the node starts again (43 steps an epoch, the last smaller; it leaves at step 42)
     out = tmp_path / "elastic.json"
-    printed = dynamix(
+    printed, pid = dynamix_with_pid(
         "bench", "elastic", "--scenarios", "preemption", "--links", "20,20,20", "--epochs", "4",
         "--preempt-at", "1", "--back-at", "1.5", "--hidden", "256", "--num-samples", "8192", "--batch-size", "64",
         "--val-checks", "1", "--target", "0.5", "--workdir", str(tmp_path / "work"), "--output", str(out),
@@ -159,7 +159,7 @@ def test_bench_elastic_on_hosts_loses_a_node_and_takes_it_back_with_no_step_lost
     masters = {event["master"] for event in starts if event["event"] == "start"}
     assert masters
     assert all(master.startswith("198.18.0.") for master in masters)  # not 127.0.0.1
-    assert leftovers() == []
+    assert leftovers(prefix=f"dx{pid}n") == []  # its hosts are gone (another test's may live beside)
 
 
 @pytest.mark.parametrize(
