@@ -89,7 +89,7 @@ from lightning_dynamix.loop import (
     wants_noise_scale,
 )
 from lightning_dynamix.metrics import StepClock
-from lightning_dynamix.metrics.clocks import time_source_for
+from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 
 
 class PreparedTrainLoader(DataLoaderStateMixin):
@@ -211,6 +211,10 @@ class DynamixAccelerate:
             from the peak bytes per sample measured (see :mod:`lightning_dynamix.metrics.memory`); ``None``: not
             measured. A step that runs out of memory is not trained again here (the loop is yours): see
             ``HeterogeneousDDPStrategy(recover_out_of_memory=...)``.
+        time_source: what times each step (data, compute, all-reduce) for the controller: ``None`` for the
+            device's, CUDA events on a GPU and the host's clock elsewhere
+            (:func:`~lightning_dynamix.metrics.clocks.time_source_for`); a
+            :class:`~lightning_dynamix.metrics.clocks.HostClock` of a timer of your own for another clock.
         sync_batchnorm: make every BatchNorm layer of the model a
             :class:`~lightning_dynamix.distributed.batch_norm.GlobalBatchNorm` at :meth:`prepare`: statistics of
             the whole global batch, whatever the split, so the job trains what one process trains on it.
@@ -246,11 +250,18 @@ class DynamixAccelerate:
         sync_batchnorm: bool = False,
         batch_size_caps: Sequence[int | None] | None = None,
         memory_margin: float | None = 0.1,
+        time_source: TimeSource | None = None,
     ) -> None:
         from accelerate import Accelerator
 
         if not isinstance(accelerator, Accelerator):
             raise ValueError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        if time_source is not None and not isinstance(time_source, TimeSource):
+            raise ValueError(
+                f"`time_source` must be a TimeSource (HostClock, CudaEventClock, FakeEventClock) or None, got"
+                f" {time_source!r}"
+            )
+        self.time_source = time_source
         if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
             raise ValueError(
                 "`accelerator` all-reduces every accumulated batch (GradientAccumulationPlugin(sync_each_batch=True));"
@@ -463,7 +474,7 @@ class DynamixAccelerate:
     def _start_measuring(self) -> None:
         if self.meter is None or self.train_loader is None:
             return
-        clock = StepClock(time_source=time_source_for(self.accelerator.device))
+        clock = StepClock(time_source=self.time_source or time_source_for(self.accelerator.device))
         self.train_loader.loader.step_clock = clock
         self.hook_state.clock = clock
         if self.meter.noise_scale is not None:

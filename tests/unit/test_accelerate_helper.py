@@ -86,3 +86,8 @@ def test_fault_tolerant_accelerate_refuses_gradient_accumulation(make_accelerato
         FaultTolerantAccelerate(
             make_accelerator(gradient_accumulation_steps=2), 12, lighthouse="http://127.0.0.1:29510"
         )
+
+
+def test_a_time_source_that_is_not_one_is_refused_naming_it(single_process_accelerator):
+    with pytest.raises(ValueError, match=r"`time_source` must be a TimeSource.*got 'clock'"):
+        DynamixAccelerate(single_process_accelerator, time_source="clock")

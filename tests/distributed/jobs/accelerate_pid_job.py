@@ -1,4 +1,4 @@
-"""DynamixAccelerate with a controller under `accelerate launch`: rank 1 made 3x slower; metrics to TensorBoard.
+"""DynamixAccelerate with pid under `accelerate launch`: rank 1 3x slower (a virtual clock); metrics to TensorBoard.
 
 Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_pid_job.py OUT_DIR MODE
 MODE: balance (60 steps), first (30 steps, save_state after step 20), resume (load_state, run to step 30).
@@ -6,7 +6,6 @@ MODE: balance (60 steps), first (30 steps, save_state after step 20), resume (lo
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -16,12 +15,19 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynamix.integrations.accelerate import DynamixAccelerate
+from lightning_dynamix.metrics.clocks import HostClock
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(1)
 accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with="tensorboard", project_dir=str(out))
 accelerator.init_trackers("pid")
-dynamix = DynamixAccelerate(accelerator, batch_sizes=[64, 64], controller="pid", interval=5, warmup_steps=5, seed=3)
+# rank 1 computes 3x slower on a virtual clock that only the ranks' own samples move: pid's decisions are the
+# same on every run, whatever this machine's load
+now = [0.0]
+dynamix = DynamixAccelerate(
+    accelerator, batch_sizes=[64, 64], controller="pid", interval=5, warmup_steps=5, seed=3,
+    time_source=HostClock(lambda: now[0]),
+)  # fmt: skip
 generator = torch.Generator().manual_seed(0)
 data = TensorDataset(torch.randn(8192, 64, generator=generator), torch.randint(4, (8192,), generator=generator))
 torch.manual_seed(0)
@@ -36,10 +42,8 @@ last = {"balance": 60, "first": 30, "resume": 30}[mode]
 trained = []
 while dynamix.global_step < last:
     for x, y in loader:
-        began = time.perf_counter()
         loss = F.cross_entropy(model(x), y)
-        if accelerator.process_index == 1:  # 3x slower: 2x its forward pass and backward (about 3x the forward)
-            time.sleep(2 * 3 * (time.perf_counter() - began))
+        now[0] += len(y) * 1e-4 * (3.0 if accelerator.process_index == 1 else 1.0)
         dynamix.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
