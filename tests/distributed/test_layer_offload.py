@@ -40,8 +40,8 @@ def fits(tmp_path_factory, pools):
     """The 1-trainer and the 2-trainer job, run at once; each one's output folder, by trainers.
 
     The 2 trainers' first fit meets 2 servers started with ``python -m lightning_dynamix.serve`` at
-    ``external.json``'s port, whose exit codes it keeps. The balance scenario's emulated slow trainer
-    is 4 times slower than the other, so the job beside it cannot turn the balance round."""
+    ``external.json``'s port, whose exit codes it keeps. The balance scenario's slow trainer is 4 times
+    slower than the other on a virtual clock, so that the job beside it cannot change what pid decides."""
     one, two = tmp_path_factory.mktemp("offload-1-trainer"), tmp_path_factory.mktemp("offload-2-trainers")
     port = free_port()
     command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]

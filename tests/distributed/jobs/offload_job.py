@@ -13,7 +13,7 @@ PORT. ``kill``: server 1 is killed at step 3; the job must fail (with the server
 With HeterogeneousLayerOffloadStrategy (a batch size per trainer, the global batch kept at 16 per trainer, so
 the same batches as above): ``sizes-OPTIMIZER-SERVERS`` resizes the trainers at set steps, a trainer sitting
 steps out among them (``SIZES``); ``balance-OPTIMIZER-SERVERS``: DynamixCallback's PID controller balances
-trainer 1 made 4 times slower by the emulator. Both write every rank's lookups and the sizes it trained.
+trainer 1 made 4 times slower on a virtual clock. Both write every rank's lookups and the sizes it trained.
 
 ``overflow-OPTIMIZER-SERVERS``: fp16 mixed precision with a GradScaler; at step 3 the rows' gradients of trainer 0
 alone are made inf (the dense ones stay finite). Every rank writes its scale and its dense parameters to
@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, DistributedSampler
 
-from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
+from lightning_dynamix.callbacks import DynamixCallback
 from lightning_dynamix.data import CTRSpec, SyntheticCTRDataset
 from lightning_dynamix.strategies import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
@@ -184,7 +184,10 @@ def main() -> None:
                 callbacks, kwargs = [Resize(), counts], {"batch_sizes": SIZES[0], "min_batch_size": 0}
             else:
                 dynamix = DynamixCallback("pid", interval=3, warmup_steps=2, gradient_noise_scale=False)
-                callbacks = [HeterogeneityEmulator([1.0, 4.0]), dynamix, counts]
+                # trainer 1 computes 4x slower on a virtual clock: pid decides the same on every run
+                from common import VirtualCompute  # the jobs' folder: on the path where this runs as a script
+
+                callbacks = [VirtualCompute(1e-3, [[0, 1, 4.0]]), dynamix, counts]
                 kwargs = {"batch_sizes": [BATCH] * trainers, "min_batch_size": 4}
             trainer, model = fit(
                 trainers, optimizer, int(servers), 0, EPOCHS, out, callbacks=callbacks, shuffle=False, **kwargs
