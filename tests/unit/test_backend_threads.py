@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_dynamix.distributed import collectives
 
 sys.setswitchinterval(30.0)  # only a voluntary release of the interpreter lets the woken thread run
-collectives.FORK_GRACE_SECONDS = 0.5  # room for the woken thread on a loaded machine
+collectives.FORK_GRACE_SECONDS = 2.0  # room for the woken thread on a loaded machine
 collectives.let_backend_threads_finish()
 if sys.argv[1] == "group":
     dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
