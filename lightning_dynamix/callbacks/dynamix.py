@@ -187,11 +187,6 @@ class DynamixCallback(ClusterMetricsMonitor):
             self.maker.base_global_batch = sum(self._strategy_or_fail().batch_sizes or ())
 
     @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._fault_tolerant is None:
-            super().on_train_end(trainer, pl_module)
-
-    @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

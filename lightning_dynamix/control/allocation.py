@@ -278,11 +278,18 @@ def arrival_time(worker: WorkerMetrics, transfer_time: float = 0.0) -> float:
     return max(arrival, quota_bound) if math.isfinite(quota_bound) else arrival
 
 
-def arrival_times(state: ClusterState) -> list[float]:
+def arrival_times(state: ClusterState) -> list[float] | None:
     """Every rank's :func:`arrival_time` in ``state``, seconds into the step; a quota's bound less the
-    state's :attr:`~lightning_dynamix.metrics.state.ClusterState.bare_transfer_time`."""
+    state's :attr:`~lightning_dynamix.metrics.state.ClusterState.bare_transfer_time`.
+
+    ``None`` where a rank that trained has no finite, positive time: nothing to decide on. A rank that sat
+    the interval out (size 0) may report no time at all (on a GPU, marks on a stream it queued nothing on).
+    """
     transfer = state.bare_transfer_time
-    return [arrival_time(w, transfer) for w in state.workers]
+    times = [arrival_time(w, transfer) for w in state.workers]
+    if any(not (math.isfinite(t) and (t > 0 or w.batch_size == 0)) for w, t in zip(state.workers, times)):
+        return None
+    return times
 
 
 def validate_bound(value: object, name: str, *, allow_none: bool, low: int = 1) -> int | tuple[int, ...] | None:

@@ -341,8 +341,7 @@ class GoodputController:
         base = self._base_global_batch
         noise = state.gradient_noise_scale
         arrival = arrival_times(state)
-        # a rank that sat the interval out may report no time at all (on a GPU, marks on an idle stream)
-        if any(not (math.isfinite(t) and (t > 0 or b == 0)) for b, t in zip(current, arrival)):
+        if arrival is None:
             return self._decision(current, noise)
         self._step_times.observe(current, arrival)
         fitted = [fit_step_time(obs) if obs else None for obs in self._step_times.ranks]

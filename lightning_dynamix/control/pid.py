@@ -304,8 +304,7 @@ class PIDController:
             total = self._network_global_batch(state)
 
         busy = arrival_times(state)
-        # a rank that sat the interval out may report no time at all (on a GPU, marks on an idle stream)
-        if any(not (math.isfinite(t) and (t > 0 or b == 0)) for b, t in zip(current, busy)):
+        if busy is None:
             return self._decision(current, state)
         self._step_times.observe(current, busy)
         measured = [b / t if b > 0 else 0.0 for b, t in zip(current, busy)]

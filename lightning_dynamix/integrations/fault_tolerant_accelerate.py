@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from accelerate.utils import send_to_device
 from torch.utils.data import Dataset, default_collate
 
 from lightning_dynamix._checks import require_int
@@ -225,7 +226,7 @@ class FaultTolerantAccelerate:
             if isinstance(batch, EmptyBatch):
                 self._zero_step()
                 continue
-            yield _to_device(batch, self.accelerator.device)
+            yield send_to_device(batch, self.accelerator.device)
 
     def _zero_step(self) -> None:
         for model in self._models:
@@ -253,13 +254,3 @@ class FaultTolerantAccelerate:
         if self.replica is not None:
             self.replica.close()
             self.replica = None
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    return batch

@@ -72,7 +72,7 @@ def test_fault_tolerant_accelerate_refuses_what_it_cannot_do_naming_why(make_acc
         dynamix.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader, train_dataset=loader.dataset)
 
 
-def test_fault_tolerant_accelerate_refuses_fp16_and_accumulation(make_accelerator):
+def test_fault_tolerant_accelerate_refuses_fp16(make_accelerator):
     from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
 
     with pytest.raises(ValueError, match=r"mixed_precision='fp16'.*'bf16'"):
