@@ -40,7 +40,6 @@ all-reduce with a zero gradient of weight 0, and every rank takes the same optim
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -53,18 +52,16 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from lightning_dynamix._checks import require_bool, require_int, require_optional_int
+from lightning_dynamix._checks import require_bool, require_int
+from lightning_dynamix.batch_core import FromBatchCore, PerRankBatchCore
 from lightning_dynamix.control import BatchController, Decision
-from lightning_dynamix.control.allocation import check_within_caps, fit_within_caps, validate_batch_size_caps
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
-from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
-from lightning_dynamix.data.loader import new_sampler_for
-from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
+from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
+from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
     let_backend_threads_finish,
-    report_gradient_norms,
     set_batch_sizes_on_every_rank,
     training_ranks_groups,
     weighted_allreduce_hook,
@@ -73,12 +70,10 @@ from lightning_dynamix.distributed import (
 from lightning_dynamix.distributed.batch_norm import (
     broadcast_batch_norm_statistics,
     convert_batch_norm,
-    fit_least_batch_size,
     has_global_batch_norm,
     set_statistics_group,
 )
-from lightning_dynamix.distributed.weighting import SyncWindowWeighting, validate_loss_reduction
-from lightning_dynamix.elastic import Preempted, PreemptionNotice, ResumeWeights, gather_machine_ids, resume_sampler
+from lightning_dynamix.elastic import Preempted, PreemptionNotice, gather_machine_ids
 from lightning_dynamix.loop import (
     DecisionMaker,
     IntervalMeter,
@@ -285,51 +280,30 @@ class DynamixAccelerate:
             )
         self.accelerator = accelerator
         let_backend_threads_finish()
-        require_optional_int("min_batch_size", min_batch_size, 0)
-        self._min_batch_size_given = min_batch_size
-        min_batch_size = 1 if min_batch_size is None else min_batch_size
-        self.min_batch_size = min_batch_size
-        self.least_batch_size = max(min_batch_size, 1)
-        """The smallest size a rank that trains may be given: ``min_batch_size``, raised at :meth:`prepare` to what
-        the model's batch-dependent layers need (2 for BatchNorm; with ``min_batch_size=0`` a rank may sit out)."""
-        self._least_reason: str | None = None
+        self.batch_core = PerRankBatchCore(
+            type(self).__name__,
+            batch_sizes,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            loss_reduction=loss_reduction,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            batch_size_caps=batch_size_caps,
+            world_size=accelerator.num_processes,
+            rank_word="process",
+        )
+        """The per-rank batch core: sizes, bounds, caps, the training DataLoader and the gradient weights."""
         self.sync_batchnorm = require_bool("sync_batchnorm", sync_batchnorm)
         self._global_batch_norm = False
-        self.max_batch_size = require_optional_int(
-            "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
-        )
-        self.batch_size_caps = validate_batch_size_caps(batch_size_caps)
-        caps = self.batch_size_caps
-        if caps is not None and len(caps) != accelerator.num_processes:
-            raise ValueError(
-                f"`batch_size_caps` {caps} gives {len(caps)} processes a cap, but the job has"
-                f" {accelerator.num_processes}; give one cap (or None) per process"
-            )
-        self._initial_sizes: BatchSizes | None = None
-        if batch_sizes is not None:
-            self._initial_sizes = validate_batch_sizes(
-                batch_sizes,
-                world_size=accelerator.num_processes,
-                min_batch_size=self.min_batch_size,
-                max_batch_size=self.max_batch_size,
-            )
-            check_within_caps(self._initial_sizes, caps, "processes")
-        self.loss_reduction = validate_loss_reduction(loss_reduction)
-        require_int("seed", seed, None)
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), seed, bool(drop_last)
-        self.hook_state = WeightedAllReduceState()
         self.model: DistributedDataParallel | None = None
         self.train_loader: PreparedTrainLoader | None = None
         self.optimizers: list[Any] = []
         self.global_step = 0
-        self._weighting = SyncWindowWeighting(accelerator.process_index, self.loss_reduction)
         self.lr_scaling = validate_lr_scaling(lr_scaling)
         self.log_per_rank = bool(log_per_rank)
         self.meter: IntervalMeter | None = None
         self.maker: DecisionMaker | None = None
-        self.resume_weights: ResumeWeights | None = None
-        """Relative speeds of the processes when a state saved by another number of processes is loaded;
-        ``None`` splits the global batch evenly (with a controller, its knowledge of the machines is used)."""
         self._machine_ids: list[str] | None = None
         self.save_on_preemption = None if save_on_preemption is None else os.fspath(save_on_preemption)
         self.preemption_check_interval = require_int("preemption_check_interval", preemption_check_interval, 1)
@@ -353,12 +327,32 @@ class DynamixAccelerate:
                 f"`controller_kwargs` {controller_kwargs!r} or finetune={finetune!r} given without a `controller`"
             )
 
+    min_batch_size = FromBatchCore("The smallest size any process may be given (0: it may sit steps out).")
+    least_batch_size = FromBatchCore(
+        "The smallest size a process that trains may be given: ``min_batch_size``, raised at :meth:`prepare` to"
+        " what the model's batch-dependent layers need (2 for BatchNorm; with ``min_batch_size=0`` it may sit out)."
+    )
+    max_batch_size = FromBatchCore("The largest size any process may be given; ``None`` for no limit.")
+    batch_size_caps = FromBatchCore("The caps given, one per process (``None`` entries for none), or ``None``.")
+    loss_reduction = FromBatchCore("How the training loss combines the process's samples: ``'mean'`` or ``'sum'``.")
+    shuffle = FromBatchCore("Whether every epoch's global order is drawn at random.")
+    seed = FromBatchCore("The seed of the global order.")
+    drop_last = FromBatchCore("Whether the samples of an incomplete last global batch are dropped.")
+    resume_weights = FromBatchCore(
+        "Relative speeds of the processes when a state saved by another number of processes is loaded; ``None``"
+        " splits the global batch evenly (with a controller, its knowledge of the machines is used).",
+        settable=True,
+    )
+
+    @property
+    def hook_state(self) -> WeightedAllReduceState:
+        """The weighted all-reduce hook's state on the prepared model."""
+        return self.batch_core.hook_state
+
     @property
     def batch_sizes(self) -> BatchSizes | None:
         """The latest per-rank sizes (what new steps use); ``None`` before prepare() when none were given."""
-        if self.train_loader is not None:
-            return self.train_loader.batch_sampler.batch_sizes
-        return self._initial_sizes
+        return self.batch_core.batch_sizes
 
     @property
     def history(self) -> list[IntervalRecord]:
@@ -419,9 +413,7 @@ class DynamixAccelerate:
         if self.sync_batchnorm:
             obj = convert_batch_norm(obj)
             self._global_batch_norm = has_global_batch_norm(obj)
-        self.min_batch_size, self.least_batch_size, self._least_reason = fit_least_batch_size(
-            obj, self.accelerator.num_processes, self._min_batch_size_given, self._initial_sizes, "DynamixAccelerate"
-        )
+        self.batch_core.fit_model(obj, self.accelerator.num_processes)
         return obj
 
     def _on_batch(self) -> None:
@@ -433,50 +425,22 @@ class DynamixAccelerate:
         set_statistics_group(group, clock)
 
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
-        sampler = new_sampler_for(
+        loader = self.batch_core.training_loader(
             dataloader,
-            self._initial_sizes,
-            rank=self.accelerator.process_index,
-            world_size=self.accelerator.num_processes,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=self.drop_last,
-            least_batch_size=self.least_batch_size,
-            owner="DynamixAccelerate",
+            self.accelerator.process_index,
+            self.accelerator.num_processes,
             instead="Use DataLoader(dataset, batch_size=..., shuffle=...).",
         )
-        fitted = fit_within_caps(sampler.batch_sizes, self.batch_size_caps, self.least_batch_size)
-        if fitted is not None:
-            sampler.set_batch_sizes(fitted, from_step=0)
-        loader = HeterogeneousDataLoader.like(dataloader, sampler)
-        loader.resume = functools.partial(self._resume_sampler, sampler)
         self.train_loader = PreparedTrainLoader(loader, self.accelerator.device)
         if self._global_batch_norm:
             self.train_loader.on_batch = self._on_batch
         return self.train_loader
 
-    def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
-        """Load a saved position in the training data, saved by this number of processes or another."""
-        try:
-            resume_sampler(
-                sampler,
-                state,
-                min_batch_size=self.min_batch_size,
-                max_batch_size=self.max_batch_size,
-                batch_sizes=self._initial_sizes,
-                weights=self.resume_weights,
-            )
-        except ValueError as err:
-            raise ValueError(f"DynamixAccelerate cannot resume this state: {err}") from err
-
     def _start_measuring(self) -> None:
         if self.meter is None or self.train_loader is None:
             return
         clock = StepClock(time_source=self.time_source or time_source_for(self.accelerator.device))
-        self.train_loader.loader.step_clock = clock
-        self.hook_state.clock = clock
+        self.batch_core.set_step_clock(clock)
         if self.meter.noise_scale is not None:
             self.hook_state.norms = BucketNorms()
         self.meter.start(clock, self.accelerator.device, self.global_step)
@@ -485,7 +449,7 @@ class DynamixAccelerate:
     @property
     def sits_out(self) -> bool:
         """Whether this rank's batch size is 0 in the batch being trained (its batch is an ``EmptyBatch``)."""
-        return self.train_loader is not None and self.train_loader.loader.sits_out
+        return self.batch_core.sits_out
 
     def zero_loss(self) -> Tensor:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.
@@ -505,41 +469,33 @@ class DynamixAccelerate:
         is the mean over all of the window's samples (the sum for ``loss_reduction="sum"``), also
         when sizes change inside the window or the epoch's end cuts it short.
         """
-        loader = self.train_loader.loader if self.train_loader is not None else None
-        if loader is None or self.model is None:
+        if self.train_loader is None or self.model is None:
             raise RuntimeError("DynamixAccelerate.backward needs the model and the training DataLoader from prepare()")
-        if loader.current_step < 0:
-            raise RuntimeError("backward() was called before the training DataLoader handed out a batch")
-        step, sizes = loader.current_step, loader.current_batch_sizes
         # accelerator.backward divides the loss by the accumulation steps; the weights undo that
-        accumulate = self.accelerator.gradient_accumulation_steps
-        estimate = None if self._weighting.window_started else self._window_estimate(step, sizes)
-        factor = self._weighting.add_backward(step, sizes, 1.0 / accumulate, estimate)
-        loss.register_hook(lambda grad: grad * factor)
         syncing = self.model.require_backward_grad_sync  # False inside accumulate()/no_sync() between syncs
-        if syncing:
-            self.hook_state.weight = self._weighting.sync_weight()
+        self.batch_core.weight_backward(
+            loss, 1.0 / self.accelerator.gradient_accumulation_steps, self._window_end(), syncing
+        )
         self.accelerator.backward(loss, **kwargs)
+        sizes = self.train_loader.loader.current_batch_sizes
         if self._global_batch_norm and min(sizes) == 0:  # a process without samples missed the statistics' update
             broadcast_batch_norm_statistics(self.model, src=next(r for r, b in enumerate(sizes) if b > 0))
         if self.meter is not None:
             assert self.meter.clock is not None
             self.meter.clock.backward_end()
         if syncing:
-            if self.meter is not None:
-                report_gradient_norms(self.hook_state, self._weighting, self.meter.record_gradient_norms)
-            self._weighting.reset()
+            self.batch_core.end_window()
 
-    def _window_estimate(self, step: int, sizes: BatchSizes) -> int:
-        """Samples over all ranks from ``step`` to the synchronisation that ends its window, as planned now."""
+    def _window_end(self) -> int | None:
+        """The step after the last of the accumulation window being trained (``None``: this step ends it)."""
         accelerator = self.accelerator
         if accelerator.gradient_accumulation_steps == 1 or accelerator.sync_gradients:
-            return sum(sizes)
+            return None
         # accumulate() counts the window's steps in accelerator.step and synchronises when it reaches a
         # multiple of the accumulation steps, or at the epoch's last step
         remaining = accelerator.gradient_accumulation_steps - accelerator.step % accelerator.gradient_accumulation_steps
         assert self.train_loader is not None
-        return sum(sizes) + self.train_loader.batch_sampler.planned_samples(step + 1, step + 1 + remaining)
+        return self.train_loader.loader.current_step + 1 + remaining
 
     def step(self, loss: Tensor | None = None) -> Decision | None:
         """One optimizer step is done: call it on every rank after ``optimizer.step()``.
@@ -573,7 +529,7 @@ class DynamixAccelerate:
             bounds=(self.min_batch_size, self.max_batch_size),
             least_batch_size=self.least_batch_size,
             device=self.accelerator.device,
-            batch_size_cap=(self.batch_size_caps or [None] * self.accelerator.num_processes)[
+            batch_size_cap=self.batch_core.check_world_size(self.accelerator.num_processes)[
                 self.accelerator.process_index
             ],
         )
@@ -634,14 +590,9 @@ class DynamixAccelerate:
         """
         if self.train_loader is None:
             raise RuntimeError("set_batch_sizes needs the training DataLoader from prepare()")
-        sizes = validate_batch_sizes(
-            batch_sizes,
-            world_size=self.accelerator.num_processes,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-        )
-        check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
-        return set_batch_sizes_on_every_rank(self.train_loader.batch_sampler, sizes, device=self.accelerator.device)
+        step = self.batch_core.set_batch_sizes(batch_sizes, device=self.accelerator.device)
+        assert step is not None
+        return step
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

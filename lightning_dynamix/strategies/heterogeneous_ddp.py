@@ -60,35 +60,25 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
-from torch.utils.data import (
-    DataLoader,
-)
 from typing_extensions import override
 
 from lightning_dynamix import _compat
-from lightning_dynamix._checks import require_bool, require_int, require_optional_int
-from lightning_dynamix.control.allocation import check_within_caps, fit_within_caps, validate_batch_size_caps
-from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
-from lightning_dynamix.data.loader import new_sampler_for
-from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
+from lightning_dynamix._checks import require_bool
+from lightning_dynamix.batch_core import FromBatchCore, GradientNormSink, PerRankBatchCore
+from lightning_dynamix.data import HeterogeneousBatchSampler
+from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
-    SyncWindowWeighting,
-    WeightedAllReduceState,
     broadcast_training_state,
     can_leave_gradient_sync,
     let_backend_threads_finish,
-    report_gradient_norms,
-    set_batch_sizes_on_every_rank,
     training_ranks_groups,
-    validate_loss_reduction,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
     zero_gradient_loss,
 )
-from lightning_dynamix.distributed.batch_norm import fit_least_batch_size, has_global_batch_norm, statistics_over
-from lightning_dynamix.elastic import ResumeWeights, resume_sampler
+from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 from lightning_dynamix.metrics.timers import StepClock
 from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
@@ -96,8 +86,6 @@ from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
 from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, all_reduce_gradients
 
 log = logging.getLogger(__name__)
-
-GradientNormSink = Callable[[Tensor, int, Tensor, int], None]
 
 STRATEGY_NAME = "heterogeneous_ddp"
 _UNSUPPORTED_DDP_ARGUMENTS = ("ddp_comm_hook", "ddp_comm_state", "model_averaging_period")
@@ -173,65 +161,55 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                     " weighted all-reduce hook; wrap it with `ddp_comm_wrapper` (e.g. fp16 compression)"
                     f" instead, or use Lightning's DDPStrategy. Got {name}={ddp_kwargs[name]!r}."
                 )
-        require_optional_int("min_batch_size", min_batch_size, 0)
-        self._min_batch_size_given = min_batch_size
-        min_batch_size = 1 if min_batch_size is None else min_batch_size
-        require_optional_int(
-            "max_batch_size", max_batch_size, max(min_batch_size, 1), "min_batch_size" if min_batch_size else None
+        self.batch_core = PerRankBatchCore(
+            type(self).__name__,
+            batch_sizes,
+            min_batch_size=min_batch_size,
+            max_batch_size=max_batch_size,
+            loss_reduction=loss_reduction,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            batch_size_caps=batch_size_caps,
+            world_size_hint=" (devices x num_nodes)",
+            setup_error=MisconfigurationException,
         )
-        require_int("seed", seed, None)
-        self.min_batch_size = min_batch_size
-        self.least_batch_size = max(min_batch_size, 1)
-        """The smallest size a rank that trains may be given: ``min_batch_size``, or with ``min_batch_size=0``
-        1, raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm)."""
-        self._least_reason: str | None = None
-        self.max_batch_size = max_batch_size
-        self.batch_size_caps = validate_batch_size_caps(batch_size_caps)
+        """The per-rank batch core: sizes, bounds, caps, the training DataLoader and the gradient weights."""
         self.recover_out_of_memory = (
             None if recover_out_of_memory is None else require_bool("recover_out_of_memory", recover_out_of_memory)
         )
         self._memory: OutOfMemoryRecovery | None = None
-        self._batch_sizes: BatchSizes | None = None
-        if batch_sizes is not None:
-            self._batch_sizes = self._validate_sizes(batch_sizes, world_size=None)
-        self.loss_reduction: LossReduction = validate_loss_reduction(loss_reduction)
-        self.shuffle = bool(shuffle)
-        self.seed = seed
-        self.drop_last = bool(drop_last)
         super().__init__(**ddp_kwargs)
-        self._hook_state = WeightedAllReduceState()
-        self._weighting: SyncWindowWeighting | None = None
-        self._train_loader: HeterogeneousDataLoader | None = None
         self._in_training_step = False
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
-        self._norm_sink: GradientNormSink | None = None
         # ranks that skipped optimizer steps (sat out, away from the all-reduce) and so hold stale state,
         # and whether this rank skips the step being trained
         self._stale: set[int] = set()
         self._left_step = False
         self._global_batch_norm = False
-        self.resume_weights: ResumeWeights | None = None
-        """Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of
-        ranks (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly."""
 
-    def _validate_sizes(self, batch_sizes: object, world_size: int | None) -> BatchSizes:
-        sizes = validate_batch_sizes(
-            batch_sizes,
-            world_size=world_size,
-            min_batch_size=self.min_batch_size,
-            max_batch_size=self.max_batch_size,
-        )
-        check_least_batch_size(sizes, self.least_batch_size, reason=self._least_reason)
-        caps = self.current_batch_size_caps
-        if caps is not None and len(caps) == len(sizes):
-            check_within_caps(sizes, caps)
-        return sizes
+    min_batch_size = FromBatchCore("The smallest size any rank may be given (0: a rank may sit steps out).")
+    least_batch_size = FromBatchCore(
+        "The smallest size a rank that trains may be given: ``min_batch_size``, or with ``min_batch_size=0`` 1,"
+        " raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm)."
+    )
+    max_batch_size = FromBatchCore("The largest size any rank may be given; ``None`` for no limit.")
+    batch_size_caps = FromBatchCore("The caps given, one per rank (``None`` entries for none), or ``None``.")
+    loss_reduction = FromBatchCore("How the training loss combines the rank's samples: ``'mean'`` or ``'sum'``.")
+    shuffle = FromBatchCore("Whether every epoch's global order is drawn at random.")
+    seed = FromBatchCore("The seed of the global order.")
+    drop_last = FromBatchCore("Whether the incomplete last step of each epoch is skipped.")
+    resume_weights = FromBatchCore(
+        "Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of ranks"
+        " (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly.",
+        settable=True,
+    )
 
     @property
     def current_batch_size_caps(self) -> list[int | None] | None:
         """The largest size per rank now: ``batch_size_caps``, lowered where a rank ran out of memory."""
-        return list(self._memory.caps) if self._memory is not None else self.batch_size_caps
+        return self.batch_core.current_caps
 
     @property
     def steps_recovered_from_out_of_memory(self) -> int:
@@ -242,22 +220,18 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @property
     def batch_sizes(self) -> BatchSizes | None:
         """The latest per-rank sizes set (what new steps use); ``None`` until known."""
-        if self._train_loader is not None:
-            return self._train_loader.batch_sampler.batch_sizes
-        return self._batch_sizes
+        return self.batch_core.batch_sizes
 
     @property
     def current_batch_sizes(self) -> BatchSizes | None:
         """Every rank's real size in the batch being trained now; ``None`` outside training."""
-        loader = self._train_loader
-        if loader is None or loader.current_step < 0:
-            return None
-        return loader.current_batch_sizes
+        return self.batch_core.current_batch_sizes
 
     @property
     def train_batch_sampler(self) -> HeterogeneousBatchSampler | None:
         """The sampler of the training DataLoader; ``None`` before training starts."""
-        return None if self._train_loader is None else self._train_loader.batch_sampler
+        loader = self.batch_core.loader
+        return None if loader is None else loader.batch_sampler
 
     @property
     def step_clock(self) -> StepClock | None:
@@ -275,7 +249,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         """The factor the weighted all-reduce multiplied this rank's gradients by at its latest synchronisation
         (1.0 before the first): the correction of its share of the global batch, which the loss's gradient
         already carries, for the samples of the whole accumulation window."""
-        return self._hook_state.weight
+        return self.batch_core.hook_state.weight
 
     def enable_step_clock(self, time_source: TimeSource | None = None) -> StepClock:
         """Time every training step of this rank from now on (data, compute, sync wait, all-reduce).
@@ -287,9 +261,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if self._step_clock is None:
             source = time_source if time_source is not None else time_source_for(self.root_device)
             self._step_clock = StepClock(time_source=source)
-            self._hook_state.clock = self._step_clock
-            if self._train_loader is not None:
-                self._train_loader.step_clock = self._step_clock
+            self.batch_core.set_step_clock(self._step_clock)
         return self._step_clock
 
     def enable_gradient_norms(self, sink: GradientNormSink | None) -> None:
@@ -303,8 +275,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         one rank, or a step one rank trains while every other rank sits it out): its gradient is the
         global one, which says nothing of the gradient's noise.
         """
-        self._norm_sink = sink
-        self._hook_state.norms = BucketNorms() if sink is not None else None
+        self.batch_core.norm_sink = sink
+        self.batch_core.hook_state.norms = BucketNorms() if sink is not None else None
 
     def set_batch_sizes(self, batch_sizes: Sequence[int], from_step: int | None = None) -> int | None:
         """Give each rank a new batch size from an agreed step of the current epoch on.
@@ -326,14 +298,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         Raises:
             ValueError: for invalid sizes, a step already produced, or ranks that disagree.
         """
-        sizes = self._validate_sizes(batch_sizes, world_size=self.world_size if self._train_loader else None)
-        require_optional_int("from_step", from_step, 0)
-        loader = self._train_loader
-        if loader is None:
-            self._batch_sizes = sizes
-            return None
         # the sampler notifies _sync_trainer_epoch_length
-        return set_batch_sizes_on_every_rank(loader.batch_sampler, sizes, from_step, device=self.root_device)
+        device = self.root_device if self.batch_core.loader is not None else None  # no device before set-up
+        return self.batch_core.set_batch_sizes(batch_sizes, from_step, device=device)
 
     # ------------------------------------------------------------------ DDP set-up
     @override
@@ -370,30 +337,18 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None
         try:
-            low, least, reason = fit_least_batch_size(
-                module, self.world_size, self._min_batch_size_given, self._batch_sizes, "HeterogeneousDDPStrategy"
-            )
+            self.batch_core.fit_model(module, self.world_size)
         except ValueError as error:
             raise MisconfigurationException(str(error)) from None
-        self.min_batch_size, self.least_batch_size, self._least_reason = low, least, reason
 
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        self._weighting = SyncWindowWeighting(self.global_rank, self.loss_reduction)
         let_backend_threads_finish()
-        caps = self.batch_size_caps
-        if caps is not None and len(caps) != self.world_size:
-            raise MisconfigurationException(
-                f"`batch_size_caps` {caps} gives {len(caps)} ranks a cap, but the Trainer has {self.world_size}"
-                " (devices x num_nodes); give one cap (or None) per rank"
-            )
+        caps = self.batch_core.check_world_size(self.world_size)
         if self._memory is None:
             self._memory = OutOfMemoryRecovery(
-                self.world_size,
-                self.global_rank,
-                caps or [None] * self.world_size,
-                self.recover_out_of_memory is not False,
+                self.world_size, self.global_rank, caps, self.recover_out_of_memory is not False
             )
             self._memory.setup(self._timeout)  # a collective at a process's first fit: every rank configures DDP
 
@@ -404,7 +359,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         hook = weighted_allreduce_hook
         if self._ddp_comm_wrapper is not None:
             hook = self._ddp_comm_wrapper(hook)
-        self.model.register_comm_hook(state=self._hook_state, hook=hook)
+        self.model.register_comm_hook(state=self.batch_core.hook_state, hook=hook)
 
     # ------------------------------------------------------------------ data
     @override
@@ -413,89 +368,20 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         trainer = module.trainer if module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        self._train_loader = self._heterogeneous_loader(dataloader)
-        self._train_loader.step_clock = self._step_clock
-        # keep Lightning's epoch length right whenever sizes or the epoch change
-        self._train_loader.batch_sampler.on_schedule_change = self._sync_trainer_epoch_length
-        return self._train_loader
-
-    def _heterogeneous_loader(self, dataloader: object) -> HeterogeneousDataLoader:
-        if not isinstance(dataloader, DataLoader):
-            raise MisconfigurationException(
-                "HeterogeneousDDPStrategy needs the training data as a torch DataLoader over a map-style"
-                f" dataset, got {type(dataloader).__name__}."
-            )
-        existing = dataloader.batch_sampler
-        if isinstance(existing, HeterogeneousBatchSampler):
-            if (existing.rank, existing.world_size) != (self.global_rank, self.world_size):
-                raise MisconfigurationException(
-                    f"The training DataLoader's HeterogeneousBatchSampler is for rank {existing.rank} of"
-                    f" {existing.world_size}, but this process is rank {self.global_rank} of {self.world_size}."
-                )
-            if existing.least_batch_size < self.least_batch_size:
-                raise MisconfigurationException(
-                    f"The training DataLoader's HeterogeneousBatchSampler has least_batch_size="
-                    f"{existing.least_batch_size}, but {self._least_reason}: build it with"
-                    f" least_batch_size={self.least_batch_size}."
-                )
-            sampler = existing
-        else:
-            sampler = self._new_sampler(dataloader)
-        # the epoch about to run: DataLoader workers start prefetching before Lightning sets it
-        sampler.set_epoch(self.lightning_module.trainer.current_epoch)
-        self._fit_caps(sampler)
-        if isinstance(dataloader, HeterogeneousDataLoader) and dataloader.batch_sampler is sampler:
-            loader = dataloader
-        else:
-            loader = HeterogeneousDataLoader.like(dataloader, sampler)
-        # Lightning loads the saved position again when it restarts mid-epoch: the same policy both times
-        loader.resume = functools.partial(self._resume_sampler, sampler)
+        loader = self.batch_core.training_loader(
+            dataloader,
+            self.global_rank,
+            self.world_size,
+            instead="Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader yourself and"
+            " train with Trainer(use_distributed_sampler=False).",
+            epoch=trainer.current_epoch,  # DataLoader workers start prefetching before Lightning sets it
+        )
         if self._loader_state_to_load is not None:
             loader.load_state_dict(self._loader_state_to_load)
             self._loader_state_to_load = None
+        # keep Lightning's epoch length right whenever sizes or the epoch change
+        loader.batch_sampler.on_schedule_change = self._sync_trainer_epoch_length
         return loader
-
-    def _fit_caps(self, sampler: HeterogeneousBatchSampler) -> None:
-        """Sizes not chosen by you (the DataLoader's ``batch_size`` on every rank) split within the ranks' caps."""
-        caps = self.current_batch_size_caps
-        fitted = fit_within_caps(sampler.batch_sizes, caps, self.least_batch_size) if sampler.next_step == 0 else None
-        if fitted is not None:
-            log.info("HeterogeneousDDPStrategy: sizes split within the ranks' caps %s: %s", caps, fitted)
-            sampler.set_batch_sizes(fitted, from_step=0)
-
-    def _resume_sampler(self, sampler: HeterogeneousBatchSampler, state: dict[str, Any]) -> None:
-        """Load a checkpoint's position in the training data, saved by this number of ranks or another."""
-        try:
-            resume_sampler(
-                sampler,
-                state,
-                min_batch_size=self.min_batch_size,
-                max_batch_size=self.max_batch_size,
-                batch_sizes=self._batch_sizes,  # set only by you: the constructor or set_batch_sizes before training
-                weights=self.resume_weights,
-            )
-        except ValueError as err:
-            raise MisconfigurationException(f"HeterogeneousDDPStrategy cannot resume this checkpoint: {err}") from err
-
-    def _new_sampler(self, dataloader: DataLoader) -> HeterogeneousBatchSampler:
-        try:
-            return new_sampler_for(
-                dataloader,
-                self._batch_sizes,
-                rank=self.global_rank,
-                world_size=self.world_size,
-                min_batch_size=self.min_batch_size,
-                max_batch_size=self.max_batch_size,
-                shuffle=self.shuffle,
-                seed=self.seed,
-                drop_last=self.drop_last,
-                least_batch_size=self.least_batch_size,
-                owner="HeterogeneousDDPStrategy",
-                instead="Use DataLoader(dataset, batch_size=...), or build a HeterogeneousDataLoader yourself and"
-                " train with Trainer(use_distributed_sampler=False).",
-            )
-        except ValueError as err:
-            raise MisconfigurationException(str(err)) from err
 
     def _sync_trainer_epoch_length(self) -> None:
         """Tell Lightning's fit loop how many batches the current epoch now has.
@@ -503,7 +389,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         Called by the sampler on every schedule change: a resize, or a new epoch (Lightning sets
         it before it reads the epoch's length for the progress bar and the data fetcher).
         """
-        loader = self._train_loader
+        loader = self.batch_core.loader
         module = self.lightning_module
         if loader is None or module is None:
             return
@@ -572,7 +458,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        loader = self._train_loader
+        loader = self.batch_core.loader
         self._left_step = False
         if loader is not None and loader.current_step >= 0 and isinstance(self.model, DistributedDataParallel):
             sizes = loader.current_batch_sizes
@@ -587,7 +473,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if loader.sits_out:
                 return self._loss_without_samples(left=self.global_rank in out)
             # the ranks that train all-reduce among themselves while others are away
-            self._hook_state.process_group = group if out else None
+            self.batch_core.hook_state.process_group = group if out else None
             statistics = group  # None where every rank trains
             memory = self._memory
             if memory is not None and (memory.retry_pending or memory.is_trial(sizes)):
@@ -628,7 +514,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self, memory: OutOfMemoryRecovery, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         """Backward of a trial step, then every rank's outcome: the gradients all-reduced, or the step split anew."""
-        loader, weighting = self._train_loader, self._weighting
+        loader, weighting = self.batch_core.loader, self.batch_core.weighting
         assert loader is not None
         assert weighting is not None
         step, sizes = loader.current_step, loader.current_batch_sizes
@@ -649,12 +535,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if clock is not None:
                 clock.bucket_done(started)
                 clock.backward_end()
-            norms = self._hook_state.norms
-            if norms is not None and self._norm_sink is not None:
+            norms = self.batch_core.hook_state.norms
+            if norms is not None:
                 norms.local.append(local_sq)
                 norms.reduced.append(global_sq)
-                report_gradient_norms(self._hook_state, weighting, self._norm_sink)
-            weighting.reset()
+            self.batch_core.end_window()
             memory.succeeded(sizes)
             return output
         memory.restore(self.model, self.root_device)
@@ -744,48 +629,28 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             if self._step_clock is not None:
                 self._step_clock.backward_end()
             return output
-        syncing = False
-        loader = self._train_loader
         module = self.lightning_module
-        if (
-            self._weighting is not None
-            and loader is not None
-            and module is not None
-            and module.trainer.training
-            and isinstance(self.model, DistributedDataParallel)
-        ):
-            if loader.current_step < 0:
-                raise RuntimeError(
-                    "backward() was called before the training DataLoader handed out a batch; the gradient"
-                    " weights come from the batch being trained."
-                )
+        syncing = False
+        training = module is not None and module.trainer.training and self.batch_core.loader is not None
+        if training and isinstance(self.model, DistributedDataParallel):
             trainer = module.trainer
             accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
-            step, sizes = loader.current_step, loader.current_batch_sizes
-            estimate = None if self._weighting.window_started else self._window_estimate(step, sizes, accumulate)
-            factor = self._weighting.add_backward(step, sizes, 1.0 / accumulate, estimate)
-            # a scalar on the loss's gradient reaches every parameter gradient at no extra cost
-            closure_loss.register_hook(lambda grad: grad * factor)
             syncing = self.model.require_backward_grad_sync
-            if syncing:
-                self._hook_state.weight = self._weighting.sync_weight()
+            self.batch_core.weight_backward(closure_loss, 1.0 / accumulate, self._window_end(accumulate), syncing)
         output = super().backward(closure_loss, optimizer, *args, **kwargs)
         if self._step_clock is not None:
             self._step_clock.backward_end()
         if syncing:
-            assert self._weighting is not None
-            if self._norm_sink is not None:
-                report_gradient_norms(self._hook_state, self._weighting, self._norm_sink)
-            self._weighting.reset()
+            self.batch_core.end_window()
         return output
 
-    def _window_estimate(self, step: int, sizes: BatchSizes, accumulate: int) -> int:
-        """Samples over all ranks from ``step`` to the end of its accumulation window, as planned now."""
-        if accumulate == 1:
-            return sum(sizes)
-        assert self._train_loader is not None
-        window_end = min(step - step % accumulate + accumulate, self.lightning_module.trainer.num_training_batches)
-        return sum(sizes) + self._train_loader.batch_sampler.planned_samples(step + 1, window_end)
+    def _window_end(self, accumulate: int) -> int | None:
+        """The step after the last of the accumulation window being trained (``None``: this step ends it)."""
+        loader = self.batch_core.loader
+        if accumulate == 1 or loader is None or loader.current_step < 0:
+            return None
+        step = loader.current_step
+        return min(step - step % accumulate + accumulate, self.lightning_module.trainer.num_training_batches)
 
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
@@ -799,7 +664,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         # inside training_step (self.log(..., sync_dist=True)) every rank waits here for the slowest
         started = self._step_clock.now() if self._step_clock is not None else None
-        loader = self._train_loader
+        loader = self.batch_core.loader
         if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
             sizes = loader.current_batch_sizes
             # ranks that sit this step out do not run training_step: the others reduce among themselves

@@ -64,15 +64,17 @@ class OutOfMemoryRecovery:
     Args:
         world_size: ranks in the job.
         rank: this process's rank.
-        caps: the largest size per rank given by the user (a cap per machine); ``None`` entries for none.
+        caps: the largest size per rank given by the user (a cap per machine); ``None`` entries for none. The list
+            is lowered in place.
         enabled: recover at all (``False``: an out-of-memory error ends the job as in plain DDP).
     """
 
     def __init__(self, world_size: int, rank: int, caps: list[int | None], enabled: bool = True) -> None:
         self.world_size = world_size
         self.rank = rank
-        self.caps = list(caps)
-        """The largest size per rank, the same on every rank; lowered after a rank ran out of memory."""
+        self.caps = caps
+        """The largest size per rank, the same on every rank; lowered in place after a rank ran out of memory (the
+        batch core's caps: every later split keeps within them)."""
         self.enabled = enabled
         self.trained = [0] * world_size
         """The largest size each rank trained a step at."""
