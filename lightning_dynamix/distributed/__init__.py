@@ -12,6 +12,7 @@ from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllRed
 from lightning_dynamix.distributed.ports import free_port
 from lightning_dynamix.distributed.sit_out import (
     MAX_TRAINING_GROUPS,
+    StaleRanks,
     TrainingRanksGroups,
     broadcast_training_state,
     can_leave_gradient_sync,
@@ -29,6 +30,7 @@ __all__ = [
     "MAX_TRAINING_GROUPS",
     "BucketNorms",
     "LossReduction",
+    "StaleRanks",
     "SyncWindowWeighting",
     "TrainingRanksGroups",
     "WeightedAllReduceState",

@@ -261,3 +261,35 @@ def broadcast_flat(tensors: Sequence[Tensor], src: int, group: dist.ProcessGroup
         for tensor in same:
             tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
+
+
+class StaleRanks:
+    """The ranks that skipped optimizer steps (sat them out away from the all-reduce) and so hold stale state.
+
+    Every rank keeps the same set: call :meth:`at_step` at every training step, and :meth:`sync` wherever every
+    rank must hold the trained state (before validation, with each checkpoint, at the end of training).
+    """
+
+    def __init__(self) -> None:
+        self.ranks: set[int] = set()
+
+    def clear(self) -> None:
+        """Forget them (a new fit: every rank starts from the same state)."""
+        self.ranks.clear()
+
+    def at_step(self, out_of_step: set[int], module: Module, optimizers: Sequence[Optimizer]) -> None:
+        """A step that ranks ``out_of_step`` miss: a stale rank that trains it first receives the others' state."""
+        if self.ranks - out_of_step:
+            self.sync(module, optimizers)
+        self.ranks |= out_of_step
+
+    def sync(self, module: Module, optimizers: Sequence[Optimizer]) -> None:
+        """Give the stale ranks the parameters, buffers and optimizer state of the others.
+
+        A collective: every rank calls it at the same point, and every rank knows which ranks are stale.
+        """
+        if not self.ranks:
+            return
+        source = min(set(range(dist.get_world_size())) - self.ranks)
+        broadcast_training_state(module, optimizers, source)
+        self.ranks.clear()

@@ -70,7 +70,7 @@ from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
     LossReduction,
-    broadcast_training_state,
+    StaleRanks,
     can_leave_gradient_sync,
     let_backend_threads_finish,
     training_ranks_groups,
@@ -83,7 +83,7 @@ from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 from lightning_dynamix.metrics.timers import StepClock
 from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
-from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, all_reduce_gradients
+from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, recovery_obstacles
 
 log = logging.getLogger(__name__)
 
@@ -183,10 +183,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._in_training_step = False
         self._loader_state_to_load: dict[str, Any] | None = None
         self._step_clock: StepClock | None = None
-        # ranks that skipped optimizer steps (sat out, away from the all-reduce) and so hold stale state,
-        # and whether this rank skips the step being trained
-        self._stale: set[int] = set()
-        self._left_step = False
+        self._stale = StaleRanks()
+        self._left_step = False  # whether this rank skips the step being trained
         self._global_batch_norm = False
 
     min_batch_size = FromBatchCore("The smallest size any rank may be given (0: a rank may sit steps out).")
@@ -435,15 +433,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             )
 
     def _can_recover_out_of_memory(self, trainer: Any) -> bool:
-        """Whether a failed attempt can be the whole optimizer step, trained again: automatic optimisation, one batch
-        a step, and no collective of the model's own in the forward pass. Raises where recovery was required."""
-        reasons = []
-        if not self.lightning_module.automatic_optimization:
-            reasons.append("manual optimisation (training_step steps the optimizer itself)")
-        if trainer.accumulate_grad_batches != 1:
-            reasons.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} (a step is several batches)")
-        if self._global_batch_norm:
-            reasons.append("GlobalBatchNorm (its statistics are gathered inside the forward pass)")
+        """Whether a failed attempt can be the whole optimizer step, trained again. Raises where it was required."""
+        reasons = recovery_obstacles(
+            self.lightning_module.automatic_optimization, trainer.accumulate_grad_batches, self._global_batch_norm
+        )
         reasons += self._out_of_memory_obstacles()
         if reasons and self.recover_out_of_memory:
             raise MisconfigurationException(
@@ -467,9 +460,8 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             out = self._ranks_leaving(sizes)
             # with GlobalBatchNorm a rank without samples misses the running statistics' update, left or joined
             out_of_step = {r for r, b in enumerate(sizes) if b == 0} if self._global_batch_norm else out
-            if self._stale - out_of_step:  # a rank that skipped steps trains again: it needs the others' state first
-                self._sync_stale_ranks()
-            self._stale |= out_of_step  # they miss this step's update
+            # a rank that skipped steps and trains again needs the others' state first; these miss this step's update
+            self._stale.at_step(out_of_step, self.lightning_module, self.lightning_module.trainer.optimizers)
             if loader.sits_out:
                 return self._loss_without_samples(left=self.global_rank in out)
             # the ranks that train all-reduce among themselves while others are away
@@ -477,7 +469,13 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             statistics = group  # None where every rank trains
             memory = self._memory
             if memory is not None and (memory.retry_pending or memory.is_trial(sizes)):
-                return self._trial_training_step(memory, *args, **kwargs)
+                self._in_training_step = True
+                try:  # without DDP's all-reduce: see backward
+                    return memory.train_attempt(
+                        self.model, self.root_device, self._step_clock, super().training_step, *args, **kwargs
+                    )
+                finally:
+                    self._in_training_step = False
         else:
             statistics = None
         self._in_training_step = True
@@ -488,72 +486,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         finally:
             self._in_training_step = False
 
-    def _trial_training_step(self, memory: OutOfMemoryRecovery, *args: Any, **kwargs: Any) -> Any:
-        """``training_step`` of a step some rank trains more samples at than ever: without DDP's all-reduce, so that
-        a rank that runs out of memory leaves no other waiting in it (see :meth:`_trial_backward`)."""
-        assert isinstance(self.model, DistributedDataParallel)
-        if memory.retry_batch is not None:  # the step again, its global batch split anew
-            args = (memory.retry_batch, *args[1:])
-            memory.retry_batch = None
-        memory.begin(self.model, self.root_device)
-        if self._step_clock is not None:
-            self._step_clock.irregular()  # its time holds the attempt and the all-reduce without overlap
-        syncing = self.model.require_backward_grad_sync
-        self.model.require_backward_grad_sync = False  # read by DDP's forward: no reduction prepared
-        self._in_training_step = True
-        try:
-            return super().training_step(*args, **kwargs)
-        except torch.OutOfMemoryError as error:
-            memory.fail(error)
-            return torch.zeros((), device=self.root_device, requires_grad=True)  # nothing of the model runs
-        finally:
-            self._in_training_step = False
-            self.model.require_backward_grad_sync = syncing
-
-    def _trial_backward(
-        self, memory: OutOfMemoryRecovery, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        """Backward of a trial step, then every rank's outcome: the gradients all-reduced, or the step split anew."""
-        loader, weighting = self.batch_core.loader, self.batch_core.weighting
-        assert loader is not None
-        assert weighting is not None
-        step, sizes = loader.current_step, loader.current_batch_sizes
-        output = closure_loss
-        if not memory.failed:
-            factor = weighting.add_backward(step, sizes, 1.0, sum(sizes))
-            closure_loss.register_hook(lambda grad: grad * factor)
-            try:
-                output = super().backward(closure_loss, optimizer, *args, **kwargs)
-            except torch.OutOfMemoryError as error:
-                memory.fail(error)
-        failed_at = memory.outcome(sizes)
-        clock = self._step_clock
-        if not any(failed_at):  # every rank trained it: the all-reduce DDP's hook would have made
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            started = clock.bucket_ready(sum(g.numel() * g.element_size() for g in grads)) if clock else None
-            local_sq, global_sq = all_reduce_gradients(self.model, weighting.sync_weight())
-            if clock is not None:
-                clock.bucket_done(started)
-                clock.backward_end()
-            norms = self.batch_core.hook_state.norms
-            if norms is not None:
-                norms.local.append(local_sq)
-                norms.reduced.append(global_sq)
-            self.batch_core.end_window()
-            memory.succeeded(sizes)
-            return output
-        memory.restore(self.model, self.root_device)
-        weighting.reset()
-        new_sizes = memory.split_anew(sizes, failed_at, self.least_batch_size)  # the same on every rank
-        loader.batch_sampler.resplit(step, new_sizes)
-        memory.retry_batch = self.batch_to_device(loader.resplit_current())
-        return output
-
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         memory = self._memory
         if memory is not None and memory.enabled:
-            closure = functools.partial(_until_trained, memory, closure)
+            closure = functools.partial(memory.until_trained, closure)
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def _loss_without_samples(self, left: bool) -> Tensor:
@@ -587,18 +524,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         return {r for r, b in enumerate(sizes) if b == 0}
 
     def _sync_stale_ranks(self) -> None:
-        """Give the ranks that skipped optimizer steps the parameters, buffers and optimizer state of the others.
-
-        A collective: every rank calls it at the same point (a step, the start of validation, a
-        checkpoint, the end of training), and every rank knows which ranks are stale.
-        """
-        if not self._stale:
-            return
-        source = min(set(range(self.world_size)) - self._stale)
+        """Give the ranks that skipped optimizer steps the others' state (a collective, on every rank)."""
         module = self.lightning_module
         assert module is not None
-        broadcast_training_state(module, module.trainer.optimizers, source)
-        self._stale.clear()
+        self._stale.sync(module, module.trainer.optimizers)
 
     @override
     def on_validation_start(self) -> None:
@@ -623,7 +552,16 @@ class HeterogeneousDDPStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if self._memory is not None and self._memory.in_trial:
-            return self._trial_backward(self._memory, closure_loss, optimizer, *args, **kwargs)
+            assert isinstance(self.model, DistributedDataParallel)
+            return self._memory.settle(
+                self.model,
+                self.root_device,
+                self._step_clock,
+                self.batch_core,
+                closure_loss,
+                lambda loss: super(HeterogeneousDDPStrategy, self).backward(loss, optimizer, *args, **kwargs),
+                self.batch_to_device,
+            )
         if self._left_step:  # the rank skips this step: no weights, no synchronisation
             output = super().backward(closure_loss, optimizer, *args, **kwargs)
             if self._step_clock is not None:
@@ -687,14 +625,6 @@ class HeterogeneousDDPStrategy(DDPStrategy):
                 cls,
                 description="DDP with a batch size per rank, changeable at any step, and exactly weighted gradients",
             )
-
-
-def _until_trained(memory: OutOfMemoryRecovery, closure: Callable[[], Any]) -> Any:
-    """Lightning's closure (training_step, zero_grad, backward), again while a rank ran out of memory."""
-    while True:
-        result = closure()
-        if not memory.retry_pending:
-            return result
 
 
 HeterogeneousDDPStrategy.register_strategies(StrategyRegistry)

@@ -27,18 +27,24 @@ under manual optimisation, with gradient accumulation, and at steps where a rank
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dynamix.control.allocation import respect_batch_size_caps
 from lightning_dynamix.distributed.collectives import gather_floats, host_group
 from lightning_dynamix.distributed.comm_hooks import squared_norm
+
+if TYPE_CHECKING:
+    from lightning_dynamix.batch_core import PerRankBatchCore
+    from lightning_dynamix.metrics.timers import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -191,12 +197,110 @@ class OutOfMemoryRecovery:
         self._trial = False
         return new
 
+    # ------------------------------------------------------------------ a trial step, start to end
+    def train_attempt(
+        self,
+        model: DistributedDataParallel,
+        device: torch.device,
+        clock: StepClock | None,
+        training_step: Callable[..., Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """``training_step(*args, **kwargs)`` of a trial step, without DDP's all-reduce, so that a rank that runs
+        out of memory leaves no other waiting in it (:meth:`settle` all-reduces or splits anew). A retry trains
+        :attr:`retry_batch` instead of the loader's batch."""
+        if self.retry_batch is not None:  # the step again, its global batch split anew
+            args = (self.retry_batch, *args[1:])
+            self.retry_batch = None
+        self.begin(model, device)
+        if clock is not None:
+            clock.irregular()  # its time holds the attempt and the all-reduce without overlap
+        syncing = model.require_backward_grad_sync
+        model.require_backward_grad_sync = False  # read by DDP's forward: no reduction prepared
+        try:
+            return training_step(*args, **kwargs)
+        except torch.OutOfMemoryError as error:
+            self.fail(error)
+            return torch.zeros((), device=device, requires_grad=True)  # nothing of the model runs
+        finally:
+            model.require_backward_grad_sync = syncing
+
+    def settle(
+        self,
+        model: DistributedDataParallel,
+        device: torch.device,
+        clock: StepClock | None,
+        batch_core: PerRankBatchCore,
+        loss: Tensor,
+        backward: Callable[[Tensor], Tensor],
+        to_device: Callable[[Any], Any],
+    ) -> Tensor:
+        """The backward pass of a trial step (``backward(loss)``), then every rank's outcome (a collective): the
+        gradients all-reduced as DDP's weighted hook would, or the step's global batch split anew for a retry (its
+        batch, moved by ``to_device``, in :attr:`retry_batch`)."""
+        loader, weighting = batch_core.loader, batch_core.weighting
+        assert loader is not None
+        assert weighting is not None
+        step, sizes = loader.current_step, loader.current_batch_sizes
+        output = loss
+        if not self.failed:
+            factor = weighting.add_backward(step, sizes, 1.0, sum(sizes))
+            loss.register_hook(lambda grad: grad * factor)
+            try:
+                output = backward(loss)
+            except torch.OutOfMemoryError as error:
+                self.fail(error)
+        failed_at = self.outcome(sizes)
+        if not any(failed_at):  # every rank trained it: the all-reduce DDP's hook would have made
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            started = clock.bucket_ready(sum(g.numel() * g.element_size() for g in grads)) if clock else None
+            local_sq, global_sq = all_reduce_gradients(model, weighting.sync_weight())
+            if clock is not None:
+                clock.bucket_done(started)
+                clock.backward_end()
+            norms = batch_core.hook_state.norms
+            if norms is not None:
+                norms.local.append(local_sq)
+                norms.reduced.append(global_sq)
+            batch_core.end_window()
+            self.succeeded(sizes)
+            return output
+        self.restore(model, device)
+        weighting.reset()
+        new_sizes = self.split_anew(sizes, failed_at, batch_core.least_batch_size)  # the same on every rank
+        loader.batch_sampler.resplit(step, new_sizes)
+        self.retry_batch = to_device(loader.resplit_current())
+        return output
+
+    def until_trained(self, closure: Callable[[], Any]) -> Any:
+        """Lightning's closure (training_step, zero_grad, backward), again while a rank ran out of memory."""
+        while True:
+            result = closure()
+            if not self.retry_pending:
+                return result
+
     def _end(self) -> None:
         self._trial = False
         self._failed = None
         self._snapshot = None
         self.retry_batch = None
         self.retry_pending = False
+
+
+def recovery_obstacles(
+    automatic_optimization: bool, accumulate_grad_batches: int, global_batch_norm: bool
+) -> list[str]:
+    """What keeps a failed attempt from being the whole optimizer step, trained again (empty where nothing does):
+    manual optimisation, several batches a step, a collective of the model's own in the forward pass."""
+    reasons = []
+    if not automatic_optimization:
+        reasons.append("manual optimisation (training_step steps the optimizer itself)")
+    if accumulate_grad_batches != 1:
+        reasons.append(f"accumulate_grad_batches={accumulate_grad_batches} (a step is several batches)")
+    if global_batch_norm:
+        reasons.append("GlobalBatchNorm (its statistics are gathered inside the forward pass)")
+    return reasons
 
 
 def all_reduce_gradients(module: Module, weight: float, group: Any = None) -> tuple[Tensor, Tensor]:
