@@ -247,37 +247,13 @@ class DynamixAccelerate:
         memory_margin: float | None = 0.1,
         time_source: TimeSource | None = None,
     ) -> None:
-        from accelerate import Accelerator
-
-        if not isinstance(accelerator, Accelerator):
-            raise ValueError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
         if time_source is not None and not isinstance(time_source, TimeSource):
             raise ValueError(
                 f"`time_source` must be a TimeSource (HostClock, CudaEventClock, FakeEventClock) or None, got"
                 f" {time_source!r}"
             )
+        _check_accelerator(accelerator)
         self.time_source = time_source
-        if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
-            raise ValueError(
-                "`accelerator` all-reduces every accumulated batch (GradientAccumulationPlugin(sync_each_batch=True));"
-                " DynamixAccelerate weights the gradient of a whole accumulation window at its one all-reduce. Use"
-                " sync_each_batch=False (the default)."
-            )
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        if accelerator.num_processes < 2 and launched > 1:
-            raise ValueError(
-                f"`accelerator` runs 1 process although the launcher started {launched}: without a GPU, Accelerate"
-                " only joins the processes when asked to use the CPU. Create it with"
-                " Accelerator(cpu=not torch.cuda.is_available()), or set ACCELERATE_USE_CPU=1 for"
-                " `accelerate launch --multi_gpu`."
-            )
-        if accelerator.num_processes < 2:
-            raise ValueError(
-                f"`accelerator` runs {accelerator.num_processes} process; DynamixAccelerate gives ranks different"
-                " batch sizes, which needs a distributed job: start the script with"
-                " `accelerate launch --multi_gpu --num_processes N script.py` or"
-                " `torchrun --nproc_per_node N script.py` (N >= 2), or train without DynamixAccelerate on one process."
-            )
         self.accelerator = accelerator
         let_backend_threads_finish()
         self.batch_core = PerRankBatchCore(
@@ -616,3 +592,32 @@ class DynamixAccelerate:
             self.train_loader.load_state_dict(state_dict["loader"])
         if state_dict.get("meter") is not None and self.meter is not None:
             self.meter.load_state_dict(state_dict["meter"])
+
+
+def _check_accelerator(accelerator: Any) -> None:
+    """Refuse an Accelerator DynamixAccelerate cannot weight: not one, of one process, or syncing every batch."""
+    from accelerate import Accelerator
+
+    if not isinstance(accelerator, Accelerator):
+        raise ValueError(f"`accelerator` must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+    if accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False):
+        raise ValueError(
+            "`accelerator` all-reduces every accumulated batch (GradientAccumulationPlugin(sync_each_batch=True));"
+            " DynamixAccelerate weights the gradient of a whole accumulation window at its one all-reduce. Use"
+            " sync_each_batch=False (the default)."
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes < 2 and launched > 1:
+        raise ValueError(
+            f"`accelerator` runs 1 process although the launcher started {launched}: without a GPU, Accelerate"
+            " only joins the processes when asked to use the CPU. Create it with"
+            " Accelerator(cpu=not torch.cuda.is_available()), or set ACCELERATE_USE_CPU=1 for"
+            " `accelerate launch --multi_gpu`."
+        )
+    if accelerator.num_processes < 2:
+        raise ValueError(
+            f"`accelerator` runs {accelerator.num_processes} process; DynamixAccelerate gives ranks different"
+            " batch sizes, which needs a distributed job: start the script with"
+            " `accelerate launch --multi_gpu --num_processes N script.py` or"
+            " `torchrun --nproc_per_node N script.py` (N >= 2), or train without DynamixAccelerate on one process."
+        )
