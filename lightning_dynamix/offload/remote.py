@@ -15,6 +15,7 @@ All communication is ``torch.distributed.rpc``. A server that dies or stops answ
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,15 +112,16 @@ class EmbeddingClient:
 
     def _wait(self, server: int, function: Any, future: torch.futures.Future) -> Any:
         try:
-            return future.wait()
+            return _checked(future.wait())
         except RuntimeError as error:
             raise self._error(server, function, error) from error
 
     def _error(self, server: int, function: Any, error: BaseException) -> EmbeddingServerError:
         what = function.__name__.removeprefix("remote_")
+        cause = _cause(error)
         return EmbeddingServerError(
             f"embedding server {server} ({server_name(server)}) failed or did not answer within"
-            f" {self.timeout_s:.0f} s ({what} from trainer {self.trainer_rank}, step {self.step}): {error}."
+            f" {self.timeout_s:.0f} s ({what} from trainer {self.trainer_rank}, step {self.step}): {cause}."
             " A run cannot go on without one of its servers: restart it from its last checkpoint."
         )
 
@@ -191,7 +193,7 @@ class EmbeddingClient:
 
         def assemble(_: torch.futures.Future) -> dict[str, Tensor]:
             # run as the answers arrive; a failed one is raised, naming its server, by _take_prefetched
-            answers = [futures[s].value() if s in futures else {} for s in range(self.num_servers)]
+            answers = [_checked(futures[s].value()) if s in futures else {} for s in range(self.num_servers)]
             rows = {}
             for (dim, dtype), group in groups.items():
                 rows.update(zip(group.tables, group.assemble(answers, dim, dtype)))
@@ -355,6 +357,28 @@ class EmbeddingClient:
     def finish(self) -> None:
         """Tell every server this trainer is done with it."""
         self._all(remote.remote_finish, self.trainer_rank)
+
+
+_RAISED = re.compile(r"^(?:[A-Za-z_][\w]*\.)*(\w*(?:Error|Exception|Failed|Interrupt)): (.*)$")
+
+
+def _cause(error: BaseException) -> str:
+    """What went wrong, in one line: an error raised on a server reaches the trainer as its type, "On WorkerInfo(...):"
+    and the server's traceback, whose last ``Type: message`` line is the error itself."""
+    raised = [m for line in str(error).splitlines() if (m := _RAISED.match(line.strip()))]
+    if raised:
+        kind, message = raised[-1].groups()
+        return f"{kind}: {message}"
+    first = str(error).splitlines()
+    return first[0] if first else type(error).__name__
+
+
+def _checked(value: Any) -> Any:
+    """A server's answer, its error raised: an answer that waited on the server (``async_execution``) and ended in an
+    error reaches the trainer as the exception object, not raised (torch RPC delivers it so)."""
+    if isinstance(value, BaseException):
+        raise RuntimeError(f"{type(value).__name__}: {value}") from value
+    return value
 
 
 def _grad(rows: Tensor) -> Tensor:

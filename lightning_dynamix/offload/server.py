@@ -15,6 +15,14 @@ and no later one. With ``staleness=0`` training is synchronous: equal to one pro
 ``staleness=1`` a lookup for step ``k + 1`` needs only update ``k - 1``, so it is answered while
 update ``k`` is still on its way: the update overlaps the trainers' next step instead of delaying it.
 
+A trainer's pushes may reach the server out of order (they are sent without waiting, and the transport's
+threads take them in any order): each is kept until the trainer's earlier ones have come, up to
+:data:`PUSH_REORDER_WINDOW` steps ahead, so updates are applied in step order whatever the arrival order.
+
+An error in the step protocol (a push, lookup or flush the server refuses) fails the server: the request
+that raised it, every answer waiting and every later request end with the error, so every trainer stops
+with it at its next request, none waits for an update that will not come.
+
 An update is applied as soon as every trainer has pushed it. A lookup that asks for an older
 version of the table (staleness 1 and up, or a trainer that looks up a step ahead) is answered from
 the current rows with the updates since rolled back: each update keeps the values it overwrote,
@@ -28,6 +36,7 @@ RPC thread blocks while a lookup waits for an update.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -49,6 +58,13 @@ from lightning_dynamix.offload.sparse_optim import SparseRowOptimizer
 
 # what one trainer pushes to one server for one step: per table, the local rows and their gradients
 Push = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+PUSH_REORDER_WINDOW = 64
+"""How many steps ahead of its last push in order a trainer's push may arrive (and wait for the ones before)."""
+
+
+class EmbeddingServerFailed(RuntimeError):
+    """The server refused a request of the step protocol earlier; it answers every later one with that error."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,8 @@ class EmbeddingServer:
         self.num_trainers = require_int("num_trainers", num_trainers, 1)
         self.staleness = require_int("staleness", staleness, 0)
         self.tables: dict[str, TableShard] = {}
+        self.failure: str | None = None
+        """The error that failed the server's step protocol (see the module's docstring); ``None`` while it serves."""
         self._lock = threading.Lock()
         self.last_request = time.monotonic()  # for a server process to notice trainers that died
         self._reset_steps()
@@ -156,7 +174,7 @@ class EmbeddingServer:
     def _lookup(self, requests: dict[str, torch.Tensor], step: int | None, single: str | None) -> Future:
         # one future and one hold of the lock for all the tables of a request
         future: Future = Future()
-        with self._lock:
+        with self._lock, self._failing_on_error():
             for table in requests:
                 self._table(table)
             if step is None or self._lookup_ready(step):
@@ -164,6 +182,27 @@ class EmbeddingServer:
             else:
                 self._lookups.append((step, future, requests, single))
         return future
+
+    @contextlib.contextmanager
+    def _failing_on_error(self) -> Iterator[None]:
+        """Run a request of the step protocol (holding the lock): refused if the server failed, and an error in it
+        fails the server, every waiting answer with it."""
+        if self.failure is not None:
+            raise EmbeddingServerFailed(self.failure)
+        try:
+            yield
+        except Exception as error:
+            self.failure = (
+                f"embedding server {self.server_rank} stopped serving the step protocol after"
+                f" {type(error).__name__}: {error}"
+            )
+            failed = EmbeddingServerFailed(self.failure)
+            for _, future, _, _ in self._lookups:
+                future.set_exception(failed)
+            for _, future in self._flushes:
+                future.set_exception(failed)
+            self._lookups, self._flushes = [], []
+            raise
 
     def _answer(self, requests: dict[str, torch.Tensor], step: int | None, single: str | None) -> object:
         if single is not None:
@@ -186,14 +225,25 @@ class EmbeddingServer:
         return values
 
     def push(self, trainer: int, step: int, grads: Push, weight: float) -> None:
-        """Trainer ``trainer``'s gradients of step ``step`` (its steps are pushed in order, each one, with
-        or without rows), multiplied by ``weight`` in the update."""
-        with self._lock:
+        """Trainer ``trainer``'s gradients of step ``step`` (it pushes every step once, with or without rows, in any
+        arrival order within :data:`PUSH_REORDER_WINDOW`), multiplied by ``weight`` in the update.
+
+        Raises:
+            ValueError: for a trainer this server does not serve, or gradients of another dtype than their table's.
+            KeyError: for a table it does not hold.
+            RuntimeError: for a step pushed twice, or too far ahead of the trainer's pushes in order.
+            EmbeddingServerFailed: once any request failed the server.
+        """
+        with self._lock, self._failing_on_error():
             if not 0 <= trainer < self.num_trainers:
                 raise ValueError(f"push from trainer {trainer}; this server serves {self.num_trainers} trainers")
-            if step != self._pushed[trainer] + 1:
+            last = self._pushed[trainer]
+            if step <= last or trainer in self._pushes.get(step, {}):
+                raise RuntimeError(f"trainer {trainer} pushed step {step} twice; it pushes every step once")
+            if step > last + PUSH_REORDER_WINDOW:
                 raise RuntimeError(
-                    f"trainer {trainer} pushed step {step} after step {self._pushed[trainer]}; steps must come in order"
+                    f"trainer {trainer} pushed step {step}, more than {PUSH_REORDER_WINDOW} steps after its last push"
+                    f" in order (step {last}): a push between them was lost"
                 )
             for name, (_, values) in grads.items():
                 dtype = self._table(name).weight.dtype
@@ -203,7 +253,8 @@ class EmbeddingServer:
                         f" {step}), which is {dtype_name(dtype)}: a table's gradients have its dtype"
                     )
             self._pushes.setdefault(step, {})[trainer] = (grads, weight)
-            self._pushed[trainer] = step
+            while trainer in self._pushes.get(self._pushed[trainer] + 1, {}):  # the pushes that waited for this one
+                self._pushed[trainer] += 1
             self._advance()
 
     def flush(self, step: int) -> Future:
@@ -213,7 +264,7 @@ class EmbeddingServer:
         checkpoints see every update, whatever the staleness.
         """
         future: Future = Future()
-        with self._lock:
+        with self._lock, self._failing_on_error():
             self.last_request = time.monotonic()
             self._flushes.append((step, future))
             self._advance()

@@ -214,6 +214,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def test_a_server_that_refuses_a_push_ends_the_job_with_its_error_on_every_trainer(tmp_path: Path):
+    # the RPC timeout is 10 minutes: a trainer left waiting for an update would hold the job past the 120 s here
+    proc = run_job("offload_job.py", 2, tmp_path, "bad_push", cwd=tmp_path, check=False, timeout=120)
+    assert proc.returncode != 0
+    for rank in (0, 1):  # each trainer ends with the server's error, named, and what the server refused
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith(f"[rank{rank}]: ") and "Error: " in line
+                   and "EmbeddingServerError" in line]  # fmt: skip
+        assert "embedding server 0 (embedding-server-0) failed" in line
+        assert "stopped serving the step protocol after ValueError: trainer 0 pushed float16 gradients" in line
+
+
 def test_a_killed_server_fails_the_job_with_its_name_and_leaves_no_process(tmp_path: Path):
     proc = run_job("offload_job.py", 1, tmp_path, "kill", cwd=tmp_path, check=False, timeout=120)
     assert proc.returncode != 0

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_dynamix.offload import EmbeddingServer, RowAdagrad, RowSGD, TableSpec
+from lightning_dynamix.offload.server import PUSH_REORDER_WINDOW, EmbeddingServerFailed
 from lightning_dynamix.serve import main as serve_main
 from lightning_dynamix.serve import server_command
 
@@ -100,12 +101,60 @@ def test_flush_applies_everything_pushed_and_evaluation_reads_it():
     assert looked_up(s, None) == -2.0
 
 
-def test_a_push_out_of_order_or_for_an_unknown_table_is_an_error():
+def test_pushes_that_arrive_out_of_order_are_applied_in_step_order_and_tables_equal_one_process():
+    # two trainers, Adagrad (an update depends on every earlier one), each trainer's pushes delayed and reordered
+    def trained(arrivals: list[tuple[int, int]], staleness: int) -> tuple[EmbeddingServer, list[tuple]]:
+        s = EmbeddingServer(0, 1, 2, staleness)
+        s.create_table(TableSpec("t", ROWS, DIM, RowAdagrad(lr=0.5)), torch.zeros(ROWS, DIM))
+        answers, history, latest = [], {-1: s.rows("t")}, [-1, -1]
+        for trainer, step in arrivals:
+            grads = torch.full((1, DIM), float(1 + step + 3 * trainer))
+            s.push(trainer, step, {"t": (torch.tensor([step % 3]), grads)}, 0.5)
+            history[s.applied] = s.rows("t")
+            latest[trainer] = max(latest[trainer], step)
+            if step == latest[trainer]:  # the trainer's next lookup (it looked up no later step before pushing it)
+                answers.append((step + 1, step % 3, looked_up(s, step + 1, row=step % 3)))
+        assert s.applied == 5
+        return s, answers, history
+
+    in_order = [(trainer, step) for step in range(6) for trainer in (0, 1)]
+    _, _, after_update = trained(in_order, staleness=0)  # the tables after each update, applied in order
+    generator = torch.Generator().manual_seed(0)
+    for staleness in (0, 1):
+        for _ in range(20):
+            order = [in_order[i] for i in torch.randperm(len(in_order), generator=generator).tolist()]
+            s, answers, _ = trained(order, staleness)
+            torch.testing.assert_close(s.rows("t"), after_update[5], rtol=0, atol=0)
+            # a lookup of step k answered at once sees the tables after update k - 1 - staleness, in order
+            for step, row, value in answers:
+                if value is not None:
+                    assert value == float(after_update[step - 1 - staleness][row, 0])
+
+
+def test_a_step_pushed_twice_or_past_the_reorder_window_is_an_error():
     s = server()
-    with pytest.raises(RuntimeError, match="pushed step 1 after step -1"):
+    push(s, 0, 1)  # waits for step 0
+    with pytest.raises(RuntimeError, match="trainer 0 pushed step 1 twice"):
         push(s, 0, 1)
+    s = server()
+    with pytest.raises(RuntimeError, match=rf"more than {PUSH_REORDER_WINDOW} steps after its last push in order"):
+        push(s, 0, PUSH_REORDER_WINDOW + 1)
+
+
+def test_an_error_in_a_push_fails_every_waiting_and_later_request_with_it():
+    s = server(num_trainers=2)
+    waiting = s.lookup("t", 1, torch.tensor([0]))  # needs both trainers' step 0
+    flushing = s.flush(0)
     with pytest.raises(KeyError, match="holds no table 'nope'"):
         s.push(0, 0, {"nope": (torch.tensor([0]), torch.ones(1, DIM))}, 1.0)
+    for future in (waiting, flushing):  # answered at once with the error, not left to the RPC timeout
+        assert future.done()
+        with pytest.raises(EmbeddingServerFailed, match=r"server 0 stopped serving.*KeyError.*'nope'"):
+            future.wait()
+    with pytest.raises(EmbeddingServerFailed, match="KeyError"):
+        push(s, 1, 0)  # the other trainer's next request
+    with pytest.raises(EmbeddingServerFailed, match="KeyError"):
+        s.lookup("t", None, torch.tensor([0]))
 
 
 def test_save_and_load_into_another_server_count(tmp_path):

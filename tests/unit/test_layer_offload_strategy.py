@@ -228,7 +228,7 @@ def test_the_servers_a_fit_started_are_gone_when_it_returns(capfd):
 
     class Servers(Callback):
         def on_train_start(self, trainer, pl_module):
-            pids.extend(server.pid for server in trainer.strategy._servers)
+            pids.extend(server.pid for server in trainer.strategy.embedding_offload.servers)
 
     fit(Model(), num_embedding_servers=2, callbacks=[Servers()])
     assert len(pids) == 2

@@ -425,8 +425,6 @@ def with_offload_attributes(strategy_class: StrategyClass) -> StrategyClass:
     ``strategy.embedding_offload.staleness`` (and setting one sets the other)."""
     for name in (*OFFLOAD_ARGUMENTS, "plan", "client"):
         setattr(strategy_class, name, _OffloadAttribute(name))
-    # the processes launched, by the name tests and failure drills have read them under
-    strategy_class._servers = _OffloadAttribute("servers")  # type: ignore[attr-defined]
     return strategy_class
 
 

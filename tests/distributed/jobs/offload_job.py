@@ -9,6 +9,8 @@ writes the whole trained model (the tables come back from the servers at the end
 then a second Trainer resumes it on NEW servers (``sizes_resume-...``: with per-trainer sizes).
 ``external-OPTIMIZER-SERVERS-PORT``: the servers were started with ``python -m lightning_dynamix.serve`` at
 PORT. ``kill``: server 1 is killed at step 3; the job must fail (with the server pids in ``OUT/kill-pids.txt``).
+``bad_push``: 1 server, whose step protocol trainer 0 breaks at step 3 (:class:`BadPush`), under a process-group
+(and RPC) timeout of 10 minutes; the job must fail with the server's error long before that.
 
 With HeterogeneousLayerOffloadStrategy (a batch size per trainer, the global batch kept at 16 per trainer, so
 the same batches as above): ``sizes-OPTIMIZER-SERVERS`` resizes the trainers at set steps, a trainer sitting
@@ -26,10 +28,12 @@ import importlib.util
 import json
 import signal
 import sys
+from datetime import timedelta
 from math import inf
 from pathlib import Path
 
 import torch
+import torch.distributed.rpc as rpc
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import MixedPrecision
@@ -37,6 +41,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dynamix.callbacks import DynamixCallback
 from lightning_dynamix.data import CTRSpec, SyntheticCTRDataset
+from lightning_dynamix.offload.server import remote_push, server_name
 from lightning_dynamix.strategies import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -86,11 +91,22 @@ class KillServer(Callback):
         self.out = out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        servers = trainer.strategy._servers
+        servers = trainer.strategy.embedding_offload.servers
         if trainer.global_step == 3 and servers:
             (self.out / "kill-pids.txt").write_text(" ".join(str(s.pid) for s in servers))
             servers[1].send_signal(signal.SIGKILL)
             servers[1].wait()
+
+
+class BadPush(Callback):
+    """At step 3, trainer 0 pushes the step's gradients of its first table as float16 (the table is float32) ahead of
+    its own push: a push the server refuses, which fails it for every trainer."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 3 and trainer.global_rank == 0:
+            step = trainer.strategy.client.step
+            grads = {"embeddings.0": (torch.tensor([0]), torch.zeros(1, 8, dtype=torch.float16))}
+            rpc.rpc_async(server_name(0), remote_push, args=(0, step, grads, 1.0))
 
 
 class LookupCounts(Callback):
@@ -172,6 +188,9 @@ def main() -> None:
     for scenario in sys.argv[3:]:
         if scenario == "kill":
             fit(trainers, "sgd", 2, 0, EPOCHS, out, callbacks=[KillServer(out)])
+            continue
+        if scenario == "bad_push":
+            fit(trainers, "sgd", 1, 0, EPOCHS, out, callbacks=[BadPush()], timeout=timedelta(minutes=10))
             continue
         if scenario.startswith("external-"):
             _, optimizer, servers, port = scenario.split("-")
