@@ -5,7 +5,8 @@ length changed, pad Lightning's logged results, reset torch RPC's per-process co
 read whether DDP has rebuilt its gradient buckets, and so on. Each is reached through a function
 here, which checks that the private part exists and otherwise fails with a message naming it, the
 installed version and the versions the package was tested with (:data:`TESTED`, the bounds in
-``pyproject.toml``). Nothing else in the package touches another library's private attributes.
+``pyproject.toml``). Nothing else in the package touches another library's private attributes (a test reads
+every module's source for it: ``tests/unit/test_private_parts.py``).
 """
 
 from __future__ import annotations
@@ -191,6 +192,11 @@ def reset_rpc_counters() -> None:
     with _attribute(rpc_api, "_all_gather_dict_lock", "torch", why):
         _attribute(rpc_api, "_all_gather_sequence_id", "torch", why).clear()
         _attribute(rpc_api, "_all_gather_sequence_id_to_states", "torch", why).clear()
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Queue a kernel that spins for ``cycles`` of the device's clock on the current CUDA stream (returns at once)."""
+    _attribute(torch.cuda, "_sleep", "torch", "slow a GPU rank down on its own stream")(cycles)
 
 
 def non_finite_check(tensors: list[torch.Tensor], found: torch.Tensor) -> None:

@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_number
 from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
 from lightning_dynamix.control.allocation import validate_batch_size_caps
@@ -53,8 +54,9 @@ _RECENT_STEPS = 5  # compute-to-forward ratios the next sleep is based on (their
 class CudaSpin:
     """Device time on demand: a kernel that spins on the current stream of ``device`` for a given number of seconds.
 
-    ``torch.cuda._sleep(cycles)`` spins for a number of the device's clock cycles; the cycles per second are
-    measured at construction (the median of a few spins timed with CUDA events, after one to wake the clock).
+    ``torch.cuda._sleep(cycles)`` (through :mod:`lightning_dynamix._compat`) spins for a number of the device's
+    clock cycles; the cycles per second are measured at construction (the median of a few spins timed with CUDA
+    events, after one to wake the clock).
 
     Args:
         device: the CUDA device to spin on.
@@ -71,12 +73,12 @@ class CudaSpin:
         self.device = device
         cycles = 1_000_000
         with torch.cuda.device(device):
-            torch.cuda._sleep(cycles)  # wakes the device's clock from idle
+            _compat.cuda_sleep(cycles)  # wakes the device's clock from idle
             rates = []
             for _ in range(5):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                torch.cuda._sleep(cycles)
+                _compat.cuda_sleep(cycles)
                 end.record()
                 end.synchronize()
                 seconds = start.elapsed_time(end) / 1000.0
@@ -88,7 +90,7 @@ class CudaSpin:
         """Queue ``seconds`` of spinning on the current stream (returns at once)."""
         if seconds > 0:
             with torch.cuda.device(self.device):
-                torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s)))
+                _compat.cuda_sleep(max(1, int(seconds * self.cycles_per_s)))
 
 
 def _slowdown(name: str, value: object) -> float:

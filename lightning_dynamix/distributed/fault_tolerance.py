@@ -160,7 +160,7 @@ class Lighthouse:
             require_number(name, value, 0.0, math.inf, low_open=False, high_open=True)
         require_number("heartbeat_timeout", heartbeat_timeout, 0.0, math.inf, low_open=True, high_open=True)
         _torchft()  # a clear error where the extra is missing
-        from torchft._torchft import LighthouseServer
+        from torchft.coordination import LighthouseServer
 
         self.host = host
         self._server = LighthouseServer(

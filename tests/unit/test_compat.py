@@ -20,6 +20,7 @@ def test_every_private_part_exists_in_the_installed_versions():
     assert _compat.logged_results(trainer) is None
     assert len(_compat.result_metric_types()) == 3
     _compat.reset_rpc_counters()
+    assert callable(_compat._attribute(torch.cuda, "_sleep", "torch", "spin"))  # what cuda_sleep calls, CPU builds too
     found = torch.zeros(())
     _compat.non_finite_check([torch.ones(3), torch.tensor([1.0, float("inf")])], found)
     assert found.item() > 0
