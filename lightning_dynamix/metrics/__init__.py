@@ -3,10 +3,10 @@
 Nothing here knows Lightning's Trainer: the callbacks and the cluster simulator both build these types.
 """
 
+from typing import Any
+
 from lightning_dynamix.metrics.clocks import (
     CudaEventClock,
-    FakeDevice,
-    FakeEventClock,
     HostClock,
     TimeSource,
     WaitTimer,
@@ -22,8 +22,6 @@ __all__ = [
     "LOCAL_FEATURES",
     "ClusterState",
     "CudaEventClock",
-    "FakeDevice",
-    "FakeEventClock",
     "GradientNoiseScale",
     "HostClock",
     "IntervalSummary",
@@ -36,3 +34,22 @@ __all__ = [
     "WorkerMetrics",
     "time_source_for",
 ]
+
+_MOVED_TO_TESTING = ("FakeDevice", "FakeEventClock")
+
+
+def __getattr__(name: str) -> Any:
+    # the test doubles moved to lightning_dynamix.testing; this import keeps working, with a warning, for a release
+    if name in _MOVED_TO_TESTING:
+        import warnings
+
+        from lightning_dynamix import testing
+
+        warnings.warn(
+            f"`from lightning_dynamix.metrics import {name}` is deprecated and will be removed in the next release:"
+            f" import it from lightning_dynamix.testing (test doubles are not part of the runtime API)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(testing, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

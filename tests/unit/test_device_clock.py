@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dynamix.metrics import FakeDevice, FakeEventClock, HostClock, StepClock, time_source_for
-from lightning_dynamix.metrics.clocks import FakeEvent
+from lightning_dynamix.metrics import HostClock, StepClock, time_source_for
+from lightning_dynamix.testing import FakeDevice, FakeEvent, FakeEventClock
 
 LAUNCH = 0.0002  # host seconds to queue a kernel
 LOADER = 0.001  # host seconds to take a batch from the loader
@@ -138,3 +138,17 @@ def test_a_cpu_rank_is_timed_on_the_host_and_a_cuda_clock_needs_a_gpu():
 
     with pytest.raises(ValueError, match="`device` must be a CUDA device"):
         CudaEventClock("cpu")
+
+
+def test_the_test_doubles_still_import_from_metrics_for_a_release_with_a_deprecation_warning():
+    import lightning_dynamix.metrics as metrics
+    import lightning_dynamix.testing as testing
+
+    for name in ("FakeDevice", "FakeEventClock"):
+        with pytest.warns(DeprecationWarning, match=r"import it from lightning_dynamix\.testing"):
+            assert getattr(metrics, name) is getattr(testing, name)
+    with pytest.warns(DeprecationWarning, match="FakeDevice"):
+        from lightning_dynamix.metrics import FakeDevice  # noqa: F401  (the import docs/gpus.md showed)
+    assert "FakeDevice" not in metrics.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        _ = metrics.Nope
