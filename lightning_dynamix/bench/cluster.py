@@ -1,6 +1,6 @@
 """torch elastic on one machine: torchrun agents as nodes that can be preempted and added, on 127.0.0.1 or each
 on a host of its own (:class:`~lightning_dynamix.bench.hosts.Hosts`); and the environments every bench gives the
-processes it launches (:func:`job_environment`, :func:`node_environment`).
+processes it launches (:func:`node_environment`).
 
 ``dynamix bench elastic`` and the elastic tests run their jobs on it.
 """
@@ -8,7 +8,6 @@ processes it launches (:func:`job_environment`, :func:`node_environment`).
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
+
+from lightning_dynamix.distributed import job_environment
 
 if TYPE_CHECKING:
     from lightning_dynamix.bench.hosts import Hosts
@@ -43,20 +44,6 @@ while not go.exists():
     time.sleep(0.01)
 run.main(sys.argv[3:])
 """
-
-# what Lightning or a launcher left in this process's environment about the job it runs in
-JOB_VARIABLES = (
-    "LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-)  # fmt: skip
-
-
-def job_environment(**extra: str) -> dict[str, str]:
-    """This process's environment for a process that starts a job of its own: none of :data:`JOB_VARIABLES`
-    (left by a Trainer that ran here), output unbuffered, then ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in JOB_VARIABLES}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def node_environment(rank: int, world: int, **extra: str) -> dict[str, str]:

@@ -206,7 +206,8 @@ def _fault_tolerant_job_step(variant: str, args: argparse.Namespace, out: Path, 
     import subprocess
     import sys
 
-    from lightning_dynamix.bench.cluster import job_environment, node_environment
+    from lightning_dynamix.bench.cluster import node_environment
+    from lightning_dynamix.distributed import job_environment
     from lightning_dynamix.distributed.fault_tolerance import Lighthouse
 
     job = [str(x) for x in (args.steps, args.warmup, args.batch_size, args.features, args.hidden, args.devices)]

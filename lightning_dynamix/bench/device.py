@@ -55,7 +55,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.bench.cluster import job_environment, node_environment
+from lightning_dynamix.bench.cluster import node_environment
+from lightning_dynamix.distributed import job_environment
 
 CHECKS = ("exactness", "timing", "pid", "memory", "mixed", "offload", "nvml")
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
@@ -179,7 +180,7 @@ class _Runner:
     def _launch(
         self, world: int, ranks: Any, runs: list[dict[str, Any]], job: dict[str, Any]
     ) -> tuple[str, list[tuple[int, Any, Any]]]:
-        from lightning_dynamix.distributed.ports import free_port
+        from lightning_dynamix.distributed import free_port
 
         self.jobs += 1
         name = f"job{self.jobs}"

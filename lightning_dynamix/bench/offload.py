@@ -31,7 +31,6 @@ import torch
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_dynamix.bench.cluster import job_environment
 from lightning_dynamix.bench.hosts import (
     SERVER_PORT,
     Hosts,
@@ -45,6 +44,7 @@ from lightning_dynamix.bench.records import arguments_record, machine_descriptio
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
+from lightning_dynamix.distributed import job_environment
 from lightning_dynamix.strategies import LayerOffloadStrategy
 
 NUM_TABLES = len(CRITEO_LIKE_TABLE_SIZES)

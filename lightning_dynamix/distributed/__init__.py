@@ -9,7 +9,7 @@ from lightning_dynamix.distributed.collectives import (
     weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
-from lightning_dynamix.distributed.ports import free_port
+from lightning_dynamix.distributed.launching import JOB_VARIABLES, free_port, job_environment
 from lightning_dynamix.distributed.sit_out import (
     MAX_TRAINING_GROUPS,
     StaleRanks,
@@ -27,6 +27,7 @@ from lightning_dynamix.distributed.weighting import (
 )
 
 __all__ = [
+    "JOB_VARIABLES",
     "MAX_TRAINING_GROUPS",
     "BucketNorms",
     "LossReduction",
@@ -40,6 +41,7 @@ __all__ = [
     "free_port",
     "gather_floats",
     "gather_ints",
+    "job_environment",
     "let_backend_threads_finish",
     "report_gradient_norms",
     "set_batch_sizes_on_every_rank",

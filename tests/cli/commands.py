@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from lightning_dynamix.distributed import job_environment
 
 
 def run(args: list[str], cwd: Path, timeout: float = 300) -> str:
@@ -16,9 +17,7 @@ def run(args: list[str], cwd: Path, timeout: float = 300) -> str:
 
 def run_with_pid(args: list[str], cwd: Path, timeout: float = 300) -> tuple[str, int]:
     """``args`` run to its end (it must succeed): its output, stdout and stderr together, and its process id."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)
+    env = job_environment()
     with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,9 @@ from types import ModuleType
 
 import pytest
 
+from lightning_dynamix.distributed import job_environment
+
 JOBS = Path(__file__).parent / "jobs"
-
-
-def job_environment() -> dict[str, str]:
-    """This process's environment for a job that launches its own ranks."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)  # left by an in-process Trainer: the job must launch its own ranks
-    return env
 
 
 def run_job(

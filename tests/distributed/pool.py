@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,15 +23,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.distributed.conftest import JOBS, job_environment
+from lightning_dynamix.distributed import free_port, job_environment
+from tests.distributed.conftest import JOBS
 
 MARKER = "@@"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class RankPool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from lightning_dynamix.cli.main import main
+from lightning_dynamix.distributed import job_environment
 from tests.distributed.conftest import JOBS
 
 pytestmark = pytest.mark.distributed
@@ -22,9 +22,7 @@ NUM_SAMPLES = 150
 
 
 def launch(launcher: str, out: Path, *args: str) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(JOBS))
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)
+    env = job_environment(PYTHONPATH=str(JOBS))
     bin_dir = Path(sys.executable).parent
     if launcher == "accelerate":
         command = [str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
@@ -114,9 +112,7 @@ def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
 
 
 def launch_pid(out: Path, mode: str) -> list[dict]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)
+    env = job_environment()
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
     command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
     proc = subprocess.run(

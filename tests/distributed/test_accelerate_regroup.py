@@ -7,7 +7,6 @@ Adam with 2 workers (jobs/accelerate_regroup_job.py under torchrun).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dynamix.distributed import job_environment
 from tests.distributed.conftest import JOBS
 from tests.distributed.test_regroup import assert_resumed_like_uninterrupted
 
@@ -22,9 +22,7 @@ pytestmark = pytest.mark.distributed
 
 
 def torchrun(world: int, out: Path, *args: str, expect: int = 0) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(JOBS))
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)
+    env = job_environment(PYTHONPATH=str(JOBS))
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(world)]
     proc = subprocess.run(
         [*command, str(JOBS / "accelerate_regroup_job.py"), str(out), *args],

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_dynamix.distributed import job_environment
 from tests.distributed.conftest import JOBS
 
 pytestmark = pytest.mark.distributed
@@ -99,11 +100,7 @@ def test_pid_never_gives_a_batch_norm_rank_one_sample_and_the_job_runs_to_its_en
 
 
 def test_synchronised_batch_norm_under_accelerate_trains_like_one_process_on_the_global_batch(tmp_path, job_helpers):
-    env = dict(
-        os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")])
-    )
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)
+    env = job_environment(PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]))
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(WORLD)]
     proc = subprocess.run(
         [*command, str(JOBS / "accelerate_batch_norm_job.py"), str(tmp_path)],

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from lightning_dynamix.bench.hosts import Hosts, leftovers, parse_links
+from lightning_dynamix.distributed import job_environment
 from tests.cli.commands import dynamix_with_pid
-from tests.distributed.conftest import JOBS, job_environment
+from tests.distributed.conftest import JOBS
 
 pytestmark = pytest.mark.distributed
 

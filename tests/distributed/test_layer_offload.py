@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
+from lightning_dynamix.distributed import free_port
 from tests.distributed.conftest import import_job, run_job
 from tests.distributed.pool import run_scripts
 
@@ -206,12 +206,6 @@ def test_an_overflow_in_one_trainer_s_rows_alone_skips_the_step_on_every_trainer
         torch.testing.assert_close(ranks[1]["dense"][name], tensor, rtol=0, atol=0)  # still one model
     trained = torch.load(two_trainers / "overflow-sgd-1.pt")
     assert all(bool(torch.isfinite(tensor).all()) for tensor in trained.values())  # no inf reached a table
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def test_a_server_that_refuses_a_push_ends_the_job_with_its_error_on_every_trainer(tmp_path: Path):

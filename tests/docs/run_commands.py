@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from lightning_dynamix.distributed import job_environment
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # commands (by their start) the test suite checks without running them, and why
@@ -168,9 +170,7 @@ def prepare_workdir(workdir: Path) -> None:
 
 def environment() -> dict[str, str]:
     """The environment a reader with the virtual environment active has (its bin/ first on PATH)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    for name in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK"):
-        env.pop(name, None)  # left by an in-process Trainer: every command launches its own ranks
+    env = job_environment()  # no rank variables a Trainer run in this process left: every command launches its own
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     return env
 

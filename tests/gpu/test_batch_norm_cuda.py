@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from lightning_dynamix.distributed import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -75,17 +76,11 @@ def _rank(rank: int, port: int, kind: str, dtype: torch.dtype, out: str) -> None
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("kind", ["global", "torch-sync"])
 def test_batch_norm_over_uneven_ranks_on_a_gpu_equals_one_process(tmp_path, kind, dtype):
     expected = train(network(dtype), None, dtype)
-    mp.start_processes(_rank, args=(_free_port(), kind, dtype, str(tmp_path)), nprocs=WORLD, start_method="spawn")
+    mp.start_processes(_rank, args=(free_port(), kind, dtype, str(tmp_path)), nprocs=WORLD, start_method="spawn")
     tolerance = 1e-6 if dtype == torch.float64 else 1e-4
     worst = {}
     for rank in range(WORLD):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import socket
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lightning_dynamix.distributed import free_port
 from lightning_dynamix.metrics.noise_scale import GradientNoiseScale
 
 
@@ -253,12 +253,6 @@ def distributed_worker(rank, port, out_dir):
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.distributed

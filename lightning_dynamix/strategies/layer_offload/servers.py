@@ -19,7 +19,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_dynamix import _compat
-from lightning_dynamix.distributed import free_port
+from lightning_dynamix.distributed import free_port, job_environment
 from lightning_dynamix.offload.server import parse_address, rpc_options, trainer_name
 from lightning_dynamix.serve import server_command
 
@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from lightning_dynamix.strategies.layer_offload.embedding_offload import OffloadingStrategy
 
 SERVER_EXIT_WAIT_S = 30.0  # seconds a server has to exit on its own at the end of a fit before it is killed
-# a launched server is no rank of the trainers' launcher: it must not read their rank variables as its own
-_RANK_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE")
 
 
 def threads_beside_servers(servers: int, trainers: int = 1) -> int:
@@ -56,7 +54,7 @@ def launch_server(
 ) -> subprocess.Popen:
     """Start embedding server ``server`` of ``num_servers`` as a CPU process of this machine, to meet the
     trainers at ``address``; it exits with this process (``timeout_s``: seconds any wait of it may take)."""
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env = job_environment()  # no rank of the trainers' launcher: it must not read their rank variables as its own
     env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
     env["OMP_NUM_THREADS"] = "1"
     # torch's RPC warns of every connection closed without its graceful shutdown ("encountered error"), on
