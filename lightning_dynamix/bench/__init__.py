@@ -1,12 +1,15 @@
 """Benchmarks behind ``dynamix bench``: measured comparisons, run as real jobs on this machine.
 
-* :mod:`.core`: ``overhead`` and ``hook``, and the machine and arguments every benchmark records;
-* :mod:`.heterogeneity`: ``balance`` and ``tta``, on the heterogeneous runs of :mod:`.experiments`
-  (also ``dynamix demo``'s), plotted by :mod:`.plots`;
-* :mod:`.offload`, :mod:`.placement`, :mod:`.plan`, :mod:`.replan`: ``offload``, ``placement``, ``plan``
-  and ``replan``;
-* :mod:`.policy`: ``policy``, the learned controller's decision time;
-* :mod:`.elastic`: ``elastic``, torch elastic jobs on the local nodes of :mod:`.cluster`, each
-  worker :mod:`.elastic_worker`;
+Each benchmark is the module named for its command (``dynamix bench balance`` is :mod:`.balance`), with
+``add_arguments(parser)`` and ``run(args)``; :mod:`lightning_dynamix.cli.main` lists them. What they share:
+
+* :mod:`.rounds`: every variant measured in interleaved rounds;
+* :mod:`.arguments`: the command-line types; :mod:`.records`: the machine and arguments each result records;
+* :mod:`.harness`: one heterogeneous training run (``balance``, ``tta`` and ``dynamix demo``), on the cluster of
+  :mod:`.cluster_runs` (contention from :mod:`.contention`, hosts on shaped links from :mod:`.hosts`, load changes
+  from :mod:`.load`), judged against the best fixed split of :mod:`.oracle`, plotted by :mod:`.plots`;
+* :mod:`.cluster`: torch elastic's agents as local nodes (``elastic``);
 * :mod:`.timing`: per-rank step times.
+
+Entry points run as processes of a benchmark: :mod:`.host_rank`, :mod:`.elastic_worker`, :mod:`.overhead_worker`.
 """

@@ -45,8 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_dynamix.bench.arguments import floats
 from lightning_dynamix.bench.cluster import LocalElasticCluster
-from lightning_dynamix.bench.experiments import floats
 from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.distributed import job_environment

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-from lightning_dynamix.bench.experiments import RunResult
+from lightning_dynamix.bench.harness import RunResult
 
 
 def plot_runs(results: Mapping[str, RunResult], path: Path, title: str = "") -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_dynamix.bench.core import positive_ints
+from lightning_dynamix.bench.arguments import positive_ints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

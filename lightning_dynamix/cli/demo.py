@@ -8,7 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.bench.experiments import RunConfig, RunResult, floats, is_launcher_rank_zero, run
+from lightning_dynamix.bench.arguments import floats
+from lightning_dynamix.bench.harness import RunConfig, RunResult, is_launcher_rank_zero, run
 from lightning_dynamix.bench.plots import plot_runs
 
 

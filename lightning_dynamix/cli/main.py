@@ -1,122 +1,121 @@
-"""Entry point of the ``dynamix`` command."""
+"""Entry point of the ``dynamix`` command: every command and every benchmark (``dynamix bench``) from one table."""
 
 from __future__ import annotations
 
 import argparse
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from lightning_dynamix.bench import core as bench
-from lightning_dynamix.bench import device as bench_device
-from lightning_dynamix.bench import elastic as bench_elastic
-from lightning_dynamix.bench import heterogeneity as bench_heterogeneity
-from lightning_dynamix.bench import offload as bench_offload
-from lightning_dynamix.bench import placement as bench_placement
-from lightning_dynamix.bench import plan as bench_plan
-from lightning_dynamix.bench import policy as bench_policy
-from lightning_dynamix.bench import replan as bench_replan
-from lightning_dynamix.bench import sit_out as bench_sit_out
+from lightning_dynamix.bench import balance, device, elastic, hook, offload, overhead, placement, replan, sit_out, tta
+from lightning_dynamix.bench import plan as plan_bench
+from lightning_dynamix.bench import policy as policy_bench
 from lightning_dynamix.cli import demo, plan, policy, report
 
 
+@dataclass(frozen=True)
+class Command:
+    """One command of ``dynamix``: its name, its one-line help, its arguments and what runs it."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], None]
+
+
+COMMANDS = (
+    Command(
+        "demo", "a 2-process job with one rank 3x slower: static batches, then DynamixCallback", demo.add_arguments,
+        demo.run_demo,
+    ),
+    Command(
+        "report", "plots and a summary of what the controller did, from a run's CSV or TensorBoard logs",
+        report.add_arguments, report.run_report,
+    ),
+    Command(
+        "train-policy", "train a batch-size policy with PPO in the cluster simulator and write its policy file",
+        policy.add_train_arguments, policy.run_train,
+    ),
+    Command(
+        "simulate", "controllers compared in the cluster simulator on held-out scenarios: time to accuracy",
+        policy.add_simulate_arguments, policy.run_simulate,
+    ),
+    Command(
+        "calibrate", "fit a simulator scenario to a run's logged metrics and replay the run to check it",
+        policy.add_calibrate_arguments, policy.run_calibrate,
+    ),
+    Command(
+        "plan", "profile a model and print the cheapest placement of its layers on a catalogue's resources",
+        plan.add_arguments, plan.run,
+    ),
+)  # fmt: skip
+"""The commands of ``dynamix``, in the order ``dynamix --help`` lists them."""
+
+BENCHMARKS = (
+    Command(
+        "overhead", "HeterogeneousDDPStrategy with equal sizes against Lightning's ddp, in interleaved rounds",
+        overhead.add_arguments, overhead.run,
+    ),
+    Command(
+        "hook", "the weighted all-reduce hook against DDP's built-in reduction, interleaved per iteration",
+        hook.add_arguments, hook.run,
+    ),
+    Command("balance", "achieved throughput against the ideal sum of rank speeds", balance.add_arguments, balance.run),
+    Command("tta", "time to target accuracy and final accuracy per controller", tta.add_arguments, tta.run),
+    Command(
+        "policy", "PPOController's decision time at several world sizes", policy_bench.add_arguments, policy_bench.run
+    ),
+    Command(
+        "offload", "LayerOffloadStrategy against one process: step time, and the largest tables in a memory budget",
+        offload.add_arguments, offload.run,
+    ),
+    Command(
+        "placement", "the RL and greedy placement solvers against the exact one, and the exact one's solve time",
+        placement.add_arguments, placement.run,
+    ),
+    Command(
+        "plan", "a placement plan's predicted throughput against the plan run with LayerOffloadStrategy",
+        plan_bench.add_arguments, plan_bench.run,
+    ),
+    Command(
+        "replan", "`dynamix plan` run again and again: does it choose the same placement each time?",
+        replan.add_arguments, replan.run,
+    ),
+    Command(
+        "sit-out", "a step's time while ranks sit out (min_batch_size=0), and while the sitting ranks change",
+        sit_out.add_arguments, sit_out.run,
+    ),
+    Command(
+        "elastic", "a node preempted and back under torch elastic: work lost, recovery and time to accuracy",
+        elastic.add_arguments, elastic.run,
+    ),
+    Command(
+        "device", "this machine's accelerator: exactness per precision, device timing, memory recovery, NVML",
+        device.add_arguments, device.run,
+    ),
+)  # fmt: skip
+"""The benchmarks under ``dynamix bench``, each in the module of :mod:`lightning_dynamix.bench` named for it."""
+
+
+def _register(commands: argparse._SubParsersAction, table: Sequence[Command]) -> None:
+    for command in table:
+        parser = commands.add_parser(command.name, help=command.help)
+        command.add_arguments(parser)
+        parser.set_defaults(func=command.run)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dynamix`` command line: :data:`COMMANDS`, and ``bench`` with :data:`BENCHMARKS`."""
     parser = argparse.ArgumentParser(prog="dynamix", description="lightning-dynamix: heterogeneous data parallelism")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    demo_parser = commands.add_parser(
-        "demo", help="a 2-process job with one rank 3x slower: static batches, then DynamixCallback"
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.run_demo)
-
-    report_parser = commands.add_parser(
-        "report", help="plots and a summary of what the controller did, from a run's CSV or TensorBoard logs"
-    )
-    report.add_arguments(report_parser)
-    report_parser.set_defaults(func=report.run_report)
-
-    train = commands.add_parser(
-        "train-policy", help="train a batch-size policy with PPO in the cluster simulator and write its policy file"
-    )
-    policy.add_train_arguments(train)
-    train.set_defaults(func=policy.run_train)
-    simulate = commands.add_parser(
-        "simulate", help="controllers compared in the cluster simulator on held-out scenarios: time to accuracy"
-    )
-    policy.add_simulate_arguments(simulate)
-    simulate.set_defaults(func=policy.run_simulate)
-    calibrate = commands.add_parser(
-        "calibrate", help="fit a simulator scenario to a run's logged metrics and replay the run to check it"
-    )
-    policy.add_calibrate_arguments(calibrate)
-    calibrate.set_defaults(func=policy.run_calibrate)
-
-    plan_parser = commands.add_parser(
-        "plan", help="profile a model and print the cheapest placement of its layers on a catalogue's resources"
-    )
-    plan.add_arguments(plan_parser)
-    plan_parser.set_defaults(func=plan.run)
-
-    bench_parser = commands.add_parser("bench", help="measured benchmarks")
-    benchmarks = bench_parser.add_subparsers(dest="benchmark", required=True)
-    overhead = benchmarks.add_parser(
-        "overhead", help="HeterogeneousDDPStrategy with equal sizes against Lightning's ddp, back to back"
-    )
-    bench.add_overhead_arguments(overhead)
-    overhead.set_defaults(func=bench.run_overhead)
-    hook = benchmarks.add_parser(
-        "hook", help="the weighted all-reduce hook against DDP's built-in reduction, interleaved per iteration"
-    )
-    bench.add_hook_arguments(hook)
-    hook.set_defaults(func=bench.run_hook)
-    balance = benchmarks.add_parser("balance", help="achieved throughput against the ideal sum of rank speeds")
-    bench_heterogeneity.add_balance_arguments(balance)
-    balance.set_defaults(func=bench_heterogeneity.run_balance)
-    tta = benchmarks.add_parser("tta", help="time to target accuracy and final accuracy per controller")
-    bench_heterogeneity.add_tta_arguments(tta)
-    tta.set_defaults(func=bench_heterogeneity.run_tta)
-    policy_bench = benchmarks.add_parser("policy", help="PPOController's decision time at several world sizes")
-    bench_policy.add_arguments(policy_bench)
-    policy_bench.set_defaults(func=bench_policy.run)
-    offload = benchmarks.add_parser(
-        "offload", help="LayerOffloadStrategy against one process: step time, and the largest tables in a memory budget"
-    )
-    bench_offload.add_arguments(offload)
-    offload.set_defaults(func=bench_offload.run)
-    placement = benchmarks.add_parser(
-        "placement", help="the RL and greedy placement solvers against the exact one, and the exact one's solve time"
-    )
-    bench_placement.add_arguments(placement)
-    placement.set_defaults(func=bench_placement.run)
-    plan_bench = benchmarks.add_parser(
-        "plan", help="a placement plan's predicted throughput against the plan run with LayerOffloadStrategy"
-    )
-    bench_plan.add_arguments(plan_bench)
-    plan_bench.set_defaults(func=bench_plan.run)
-    replan = benchmarks.add_parser(
-        "replan", help="`dynamix plan` run again and again: does it choose the same placement each time?"
-    )
-    bench_replan.add_arguments(replan)
-    replan.set_defaults(func=bench_replan.run)
-    sit_out = benchmarks.add_parser(
-        "sit-out", help="a step's time while ranks sit out (min_batch_size=0), and while the sitting ranks change"
-    )
-    bench_sit_out.add_arguments(sit_out)
-    sit_out.set_defaults(func=bench_sit_out.run)
-    elastic = benchmarks.add_parser(
-        "elastic", help="a node preempted and back under torch elastic: work lost, recovery and time to accuracy"
-    )
-    bench_elastic.add_arguments(elastic)
-    elastic.set_defaults(func=bench_elastic.run)
-    device = benchmarks.add_parser(
-        "device", help="this machine's accelerator: exactness per precision, device timing, memory recovery, NVML"
-    )
-    bench_device.add_arguments(device)
-    device.set_defaults(func=bench_device.run)
+    _register(commands, COMMANDS)
+    bench = commands.add_parser("bench", help="measured benchmarks")
+    _register(bench.add_subparsers(dest="benchmark", required=True), BENCHMARKS)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """Run the command ``argv`` (default: the process's arguments) names."""
     # a deprecation inside Lightning's own pytree helper, printed on every step with recent torch
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
     args = build_parser().parse_args(argv)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_dynamix.bench.core import positive_ints
+from lightning_dynamix.bench.arguments import positive_ints
 from lightning_dynamix.rl.train import EVALUATION_SEED, PRESETS, preset
 
 DEFAULT_CONTROLLERS = "static,pid,goodput,ppo"

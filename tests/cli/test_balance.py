@@ -90,7 +90,7 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
 def test_bench_balance_runs_goodput_with_sitting_out_allowed_and_refuses_a_negative_bound(tmp_path):
     out = tmp_path / "straggler.json"
     dynamix(
-        "bench", "balance", "--speeds", "1,1,8", "--controller", "goodput", "--min-batch-size", "0",
+        "bench", "balance", "--speeds", "1,1,8", "--controllers", "goodput", "--min-batch-size", "0",
         "--keep-global-batch", "--batch-size", "16", "--hidden", "64", "--steps", "40", "--output", str(out),
         cwd=tmp_path,
     )  # fmt: skip
@@ -110,7 +110,7 @@ def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_a
 ):
     out = tmp_path / "balance.json"
     printed = dynamix(
-        "bench", "balance", "--contention", "busy", "--speeds", "1,2", "--controller", "static,pid", "--steps", "20",
+        "bench", "balance", "--contention", "busy", "--speeds", "1,2", "--controllers", "static,pid", "--steps", "20",
         "--batch-size", "128", "--hidden", "512", "--interval", "5", "--oracle", "--oracle-finest", "32",
         "--rounds", "2", "--oracle-confirm", "2", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
@@ -262,7 +262,7 @@ def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unk
 def test_bench_balance_and_tta_train_the_resnet_with_per_rank_or_global_batch_norm(tmp_path):
     out = tmp_path / "resnet.json"
     dynamix(
-        "bench", "balance", "--architecture", "resnet", "--hidden", "4", "--speeds", "1,8", "--controller", "pid",
+        "bench", "balance", "--architecture", "resnet", "--hidden", "4", "--speeds", "1,8", "--controllers", "pid",
         "--batch-size", "8", "--steps", "20", "--interval", "3", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
@@ -287,7 +287,7 @@ def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_
 
     out = tmp_path / "links.json"
     dynamix(
-        "bench", "balance", "--controller", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "20",
+        "bench", "balance", "--controllers", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "20",
         "--schedule", "12:1:link=5", "--hidden", "256", "--batch-size", "32", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())

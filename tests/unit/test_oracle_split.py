@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_dynamix.bench.heterogeneity import find_best_fixed_split, neighbour_splits
+from lightning_dynamix.bench.oracle import find_best_fixed_split, neighbour_splits
 
 
 def affine_cluster(speeds, fixed=0.0):
@@ -82,7 +82,7 @@ def test_a_coarser_finest_step_stops_earlier_with_fewer_measurements():
 
 
 def test_a_fixed_global_batch_scales_the_split_and_the_learning_rate_by_the_rule():
-    from lightning_dynamix.bench.heterogeneity import fixed_global_batch
+    from lightning_dynamix.bench.tta import fixed_global_batch
 
     assert fixed_global_batch((96, 32), 512, 0.1, "linear") == ((384, 128), pytest.approx(0.4))
     assert fixed_global_batch((96, 32), 512, 0.1, "sqrt") == ((384, 128), pytest.approx(0.2))

@@ -1,4 +1,4 @@
-"""Heterogeneous training runs for ``dynamix demo`` and ``dynamix bench balance|tta``.
+"""The run harness of ``dynamix demo`` and ``dynamix bench balance|tta``: one heterogeneous training run.
 
 One run trains the built-in classification workload on ``len(speeds)`` processes, one rank per
 process, with :class:`~lightning_dynamix.callbacks.HeterogeneityEmulator` making rank ``r``
@@ -337,7 +337,7 @@ def _run_on_hosts(config: RunConfig) -> RunResult:
             env = node_environment(
                 rank, world, **hosts.env(rank), **{_HOST_RANK: str(rank), HOSTS_ENV: hosts.description()}
             )
-            command = [sys.executable, "-m", "lightning_dynamix.bench.experiments", json.dumps(asdict(config))]
+            command = [sys.executable, "-m", "lightning_dynamix.bench.host_rank", json.dumps(asdict(config))]
             command.append(str(out / "result.json"))
             log = open(out / f"rank{rank}.log", "w")  # noqa: SIM115 - closed once the rank ended
             processes.append((hosts.popen(rank, command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
@@ -352,29 +352,12 @@ def _run_on_hosts(config: RunConfig) -> RunResult:
         return RunResult(**json.loads((out / "result.json").read_text()))
 
 
-def _host_rank_main() -> None:
-    """A rank launched on a host by :func:`_run_on_hosts`: ``python -m lightning_dynamix.bench.experiments CONFIG
-    OUT``; rank 0 writes the result to OUT."""
-    fields = json.loads(sys.argv[1])
-    for name in ("speeds", "batch_sizes", "links"):
-        if fields.get(name) is not None:
-            fields[name] = tuple(fields[name])
-    fields["schedule"] = tuple(tuple(entry) for entry in fields["schedule"])
-    fields["load_changes"] = tuple(LoadChange(**change) for change in fields["load_changes"])
-    result = run(RunConfig(**fields))
-    if result is not None:
-        Path(sys.argv[2]).write_text(json.dumps(result.as_dict()))
+def samples_per_second(result: RunResult, after_step: int) -> float:
+    """The run's achieved samples/s: the median over its measured intervals after ``after_step``."""
+    values = [i["throughput"] for i in result.intervals if i["step"] > after_step]
+    return statistics.median(values) if values else float("nan")
 
 
 def is_launcher_rank_zero() -> bool:
     """Whether this process is the one the user started (Lightning's launcher starts the others)."""
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
-
-
-def floats(text: str) -> tuple[float, ...]:
-    """Parse ``"1,3"`` (a command-line list of speeds) into ``(1.0, 3.0)``."""
-    return tuple(float(x) for x in text.split(","))
-
-
-if __name__ == "__main__":
-    _host_rank_main()

@@ -1,18 +1,15 @@
-"""``dynamix bench overhead`` and ``dynamix bench hook``, and what every benchmark records of its run.
+"""``dynamix bench overhead``: what the package costs where it has nothing to balance.
 
-``overhead`` sets HeterogeneousDDPStrategy with equal sizes against Lightning's ddp; ``hook`` the
-weighted all-reduce hook against DDP's built-in reduction. What every benchmark records of its run
-is :mod:`lightning_dynamix.bench.records`'s.
+HeterogeneousDDPStrategy with equal sizes against Lightning's ddp (optionally with DynamixCallback or
+PreemptionCheckpoint, whose own time is measured inside the runs), or ``--fault-tolerant``: FaultTolerantStrategy
+replicas against HeterogeneousDDPStrategy nodes; in interleaved rounds (:mod:`lightning_dynamix.bench.rounds`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
-import os
-import random
 import statistics
 import tempfile
 import time
@@ -20,22 +17,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import DDPStrategy
-from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dynamix import (
-    DynamixCallback,
-    PreemptionCheckpoint,
-    WeightedAllReduceState,
-    weighted_allreduce_hook,
-)
+from lightning_dynamix import DynamixCallback, PreemptionCheckpoint
+from lightning_dynamix._stats import bootstrap_median_interval
+from lightning_dynamix.bench.harness import is_launcher_rank_zero
 from lightning_dynamix.bench.records import arguments_record, machine_description
+from lightning_dynamix.bench.rounds import interleaved_rounds
 from lightning_dynamix.bench.timing import StepTimer
-from lightning_dynamix.data.synthetic import DemoClassifier, make_mlp
+from lightning_dynamix.data.synthetic import DemoClassifier
 from lightning_dynamix.distributed import free_port
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.system import CpuQuota
@@ -44,7 +35,7 @@ from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 NUM_CLASSES = 10
 
 
-def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     """The job both benchmarks time: processes, and an MLP with its batch size."""
     parser.add_argument("--devices", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--batch-size", type=int, default=128, help="batch size of every rank (default 128)")
@@ -53,12 +44,13 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=None, help="also write the results as JSON here")
 
 
-def _network_name(args: argparse.Namespace) -> str:
+def network_name(args: argparse.Namespace) -> str:
     return f"MLP {args.features}-{args.hidden}-{args.hidden}-{NUM_CLASSES}"
 
 
-def add_overhead_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_job_arguments(parser)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``dynamix bench overhead``."""
+    add_job_arguments(parser)
     parser.add_argument("--rounds", type=int, default=20, help="back-to-back pairs of runs (default 20)")
     parser.add_argument("--steps", type=int, default=60, help="timed steps per run (default 60)")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps at the start of each run (default 10)")
@@ -191,16 +183,6 @@ def _median_step(strategy: object, args: argparse.Namespace, extra_callbacks: li
     return max(t.median_step_seconds for t in timer.timings)
 
 
-def bootstrap_median_interval(
-    values: list[float], confidence: float = 0.95, resamples: int = 4000
-) -> tuple[float, float]:
-    """A percentile-bootstrap confidence interval of the median of ``values``."""
-    generator = random.Random(0)
-    medians = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples))
-    tail = (1 - confidence) / 2
-    return medians[int(tail * resamples)], medians[min(resamples - 1, int((1 - tail) * resamples))]
-
-
 def _fault_tolerant_job_step(variant: str, args: argparse.Namespace, out: Path, name: str) -> float:
     """One job of ``--fault-tolerant``: ``args.devices`` processes started here; the slowest's median step, seconds."""
     import subprocess
@@ -237,16 +219,16 @@ def _fault_tolerant_job_step(variant: str, args: argparse.Namespace, out: Path, 
     )
 
 
-def run_fault_tolerant_overhead(args: argparse.Namespace) -> None:
+def _run_fault_tolerant(args: argparse.Namespace) -> None:
     """FaultTolerantStrategy against HeterogeneousDDPStrategy, equal sizes, no failures, alternating ABBA."""
-    ratios, ddp_steps, ft_steps = [], [], []
     with tempfile.TemporaryDirectory(prefix="dynamix-bench-overhead-") as tmp:
-        for round_index in range(args.rounds):
-            order = ("heterogeneous_ddp", "torchft") if round_index % 2 == 0 else ("torchft", "heterogeneous_ddp")
-            measured = {v: _fault_tolerant_job_step(v, args, Path(tmp), f"{v}-{round_index}") for v in order}
-            ddp_steps.append(measured["heterogeneous_ddp"])
-            ft_steps.append(measured["torchft"])
-            ratios.append(measured["torchft"] / measured["heterogeneous_ddp"])
+        steps = interleaved_rounds(
+            ("heterogeneous_ddp", "torchft"),
+            args.rounds,
+            lambda variant, index: _fault_tolerant_job_step(variant, args, Path(tmp), f"{variant}-{index}"),
+        )
+    ddp_steps, ft_steps = steps["heterogeneous_ddp"], steps["torchft"]
+    ratios = [ft / ddp for ft, ddp in zip(ft_steps, ddp_steps, strict=True)]
     low, high = bootstrap_median_interval(ratios)
     result = {
         "benchmark": "overhead",
@@ -261,7 +243,7 @@ def run_fault_tolerant_overhead(args: argparse.Namespace) -> None:
     }
     print(
         f"\ndynamix bench overhead --fault-tolerant: {args.devices} processes (gloo, CPU), batch {args.batch_size}"
-        f" per rank, {_network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
+        f" per rank, {network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
     )
     print(f"{'round':>5}  {'heterogeneous_ddp (ms/step)':>27}  {'fault_tolerant (ms/step)':>24}  {'ratio':>6}")
     for i, (ddp, ft, ratio) in enumerate(zip(ddp_steps, ft_steps, ratios)):
@@ -274,48 +256,43 @@ def run_fault_tolerant_overhead(args: argparse.Namespace) -> None:
         args.output.write_text(json.dumps(result, indent=2))
 
 
-def run_overhead(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     """Plain Lightning DDP against HeterogeneousDDPStrategy with equal sizes, alternating ABBA."""
     if args.fault_tolerant:
         if args.with_callback or args.with_preemption:
             raise SystemExit(
                 "dynamix bench overhead: --fault-tolerant runs neither --with-callback nor --with-preemption"
             )
-        run_fault_tolerant_overhead(args)
+        _run_fault_tolerant(args)
         return
     torch.set_num_threads(1)  # one thread per process: two processes competing for each core blur the difference
-    ratios, plain_steps, ours_steps = [], [], []
     costs: list[float] = []  # the callback's own seconds per step, rank 0, one per run with it
     checks: list[float] = []  # PreemptionCheckpoint's seconds per step (its all-reduce), rank 0, one per run
-    for round_index in range(args.rounds):
-        order = ("ddp", "ours") if round_index % 2 == 0 else ("ours", "ddp")
-        measured = {}
-        for variant in order:
-            strategy = (
-                DDPStrategy()
-                if variant == "ddp"
-                else HeterogeneousDDPStrategy(batch_sizes=[args.batch_size] * args.devices)
-            )
-            callbacks: list[Any] = []
-            cost = None
-            check = None
-            if variant == "ours" and args.with_callback:
-                callbacks = [DynamixCallback("pid", interval=args.interval, warmup_steps=args.warmup)]
-                cost = CallbackCost(callbacks[0])
-            if variant == "ours" and args.with_preemption:
-                # nothing is written there unless a rank gets SIGTERM during the benchmark
-                preemption = PreemptionCheckpoint(dirpath=Path(tempfile.gettempdir()) / "dynamix-bench-preemption")
-                check = HookCost(preemption, "on_train_batch_end")
-                callbacks.append(preemption)
-            measured[variant] = _median_step(strategy, args, callbacks)
-            if cost is not None:
-                costs.append(cost.per_step(args.interval))
-            if check is not None:
-                checks.append(statistics.median(check.seconds[args.warmup :]))
-        plain_steps.append(measured["ddp"])
-        ours_steps.append(measured["ours"])
-        ratios.append(measured["ours"] / measured["ddp"])
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0 or int(os.environ.get("NODE_RANK", "0")) != 0:
+
+    def measure(variant: str, _: int) -> float:
+        if variant == "ddp":
+            return _median_step(DDPStrategy(), args)
+        callbacks: list[Any] = []
+        cost = check = None
+        if args.with_callback:
+            callbacks = [DynamixCallback("pid", interval=args.interval, warmup_steps=args.warmup)]
+            cost = CallbackCost(callbacks[0])
+        if args.with_preemption:
+            # nothing is written there unless a rank gets SIGTERM during the benchmark
+            preemption = PreemptionCheckpoint(dirpath=Path(tempfile.gettempdir()) / "dynamix-bench-preemption")
+            check = HookCost(preemption, "on_train_batch_end")
+            callbacks.append(preemption)
+        step = _median_step(HeterogeneousDDPStrategy(batch_sizes=[args.batch_size] * args.devices), args, callbacks)
+        if cost is not None:
+            costs.append(cost.per_step(args.interval))
+        if check is not None:
+            checks.append(statistics.median(check.seconds[args.warmup :]))
+        return step
+
+    steps = interleaved_rounds(("ddp", "ours"), args.rounds, measure)
+    plain_steps, ours_steps = steps["ddp"], steps["ours"]
+    ratios = [ours / plain for ours, plain in zip(ours_steps, plain_steps, strict=True)]
+    if not is_launcher_rank_zero():
         return
     low, high = bootstrap_median_interval(ratios)
     ours_name = "heterogeneous_ddp" + (" + DynamixCallback" if args.with_callback else "")
@@ -333,7 +310,7 @@ def run_overhead(args: argparse.Namespace) -> None:
     }
     print(
         f"\ndynamix bench overhead: {args.devices} processes (gloo, CPU), batch {args.batch_size} per rank,"
-        f" {_network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
+        f" {network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
     )
     header = f"{ours_name} (ms/step)"
     print(f"{'round':>5}  {'ddp (ms/step)':>13}  {header:>{len(header)}}  {'ratio':>6}")
@@ -367,80 +344,3 @@ def run_overhead(args: argparse.Namespace) -> None:
         )
     if args.output is not None:
         args.output.write_text(json.dumps(result, indent=2))
-
-
-def add_hook_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_job_arguments(parser)
-    parser.add_argument("--iterations", type=int, default=400, help="timed iterations per variant (default 400)")
-
-
-# the built-in reduction twice: the difference between the two is the noise floor of the measurement
-_HOOK_VARIANTS = ("ddp built-in", "ddp built-in, again", "weighted hook, weight 1", "weighted hook, weight 0.5")
-
-
-def _hook_worker(rank: int, args: argparse.Namespace, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=args.devices)
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    network = make_mlp(args.features, args.hidden, NUM_CLASSES)
-    models = [DistributedDataParallel(copy.deepcopy(network)) for _ in _HOOK_VARIANTS]
-    models[2].register_comm_hook(WeightedAllReduceState(weight=1.0), weighted_allreduce_hook)
-    models[3].register_comm_hook(WeightedAllReduceState(weight=0.5), weighted_allreduce_hook)
-    x, y = torch.randn(args.batch_size, args.features), torch.randint(NUM_CLASSES, (args.batch_size,))
-    times: list[list[float]] = [[] for _ in models]
-    warmup = 20
-    shuffler = random.Random(0)  # the same order on every rank: the all-reduces must match up
-    order = list(range(len(models)))
-    for iteration in range(warmup + args.iterations):
-        shuffler.shuffle(order)  # a new order every iteration: no variant always follows another
-        for index in order:
-            start = time.perf_counter()
-            F.cross_entropy(models[index](x), y).backward()
-            if iteration >= warmup:
-                times[index].append(time.perf_counter() - start)
-    if rank == 0:
-        queue.put([statistics.median(t) for t in times])
-    # Drop the DDP models while the process group is still registered. Otherwise a reducer can
-    # hold the group's last reference, and its destructor joins gloo's worker threads with the
-    # GIL held while one of them needs the GIL to free its finished work: a hang at exit.
-    del models
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_hook(args: argparse.Namespace) -> None:
-    """Forward + backward with DDP's built-in reduction against the weighted hook, interleaved."""
-    port = free_port()
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(_hook_worker, args=(args, port, queue), nprocs=args.devices, start_method="spawn")
-    medians = queue.get()
-    base = medians[0]
-    result = {
-        "benchmark": "hook",
-        "median_ms": {name: 1e3 * m for name, m in zip(_HOOK_VARIANTS, medians)},
-        "ratio_to_builtin": {name: m / base for name, m in zip(_HOOK_VARIANTS, medians)},
-        "config": arguments_record(args),
-        "machine": machine_description(),
-    }
-    print(
-        f"\ndynamix bench hook: {args.devices} processes (gloo, CPU), forward + backward of an"
-        f" {_network_name(args)}, batch {args.batch_size}, {args.iterations} iterations"
-        " per variant in random interleaved order"
-    )
-    for name, median in zip(_HOOK_VARIANTS, medians):
-        print(f"{name:>26}: {1e3 * median:8.3f} ms  ({median / base:.4f} of the built-in reduction)")
-    if args.output is not None:
-        args.output.write_text(json.dumps(result, indent=2))
-
-
-def positive_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated ints >= 1 (world sizes, ranks)."""
-    try:
-        sizes = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 4,8,16, got {text!r}") from None
-    if not sizes or any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
-    return sizes
