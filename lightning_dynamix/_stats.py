@@ -7,8 +7,13 @@ import math
 import random
 import statistics
 from collections.abc import Iterable
+from typing import overload
 
 
+@overload
+def median_or(values: Iterable[float | None], default: float) -> float: ...
+@overload
+def median_or(values: Iterable[float | None], default: None = None) -> float | None: ...
 def median_or(values: Iterable[float | None], default: float | None = None) -> float | None:
     """The median of the finite ``values`` (``None`` and NaN are what was not measured); ``default`` where none is."""
     finite = [float(v) for v in values if v is not None and math.isfinite(v)]

@@ -45,10 +45,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_dynamix._stats import median_or
 from lightning_dynamix.bench.arguments import floats
 from lightning_dynamix.bench.cluster import LocalElasticCluster
 from lightning_dynamix.bench.hosts import Hosts, HostsUnavailable, check_hosts, describe_links, parse_links
 from lightning_dynamix.bench.records import arguments_record, machine_description
+from lightning_dynamix.bench.rounds import interleaved_rounds
 from lightning_dynamix.distributed import job_environment
 
 SCENARIOS = {  # key on the command line: (name in the results, what the worker does on a change of nodes)
@@ -361,14 +363,17 @@ def summarise(timeline: list[dict[str, Any]], events: dict[str, float], target: 
 def run(args: argparse.Namespace) -> None:
     _check(args)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="dynamix-bench-elastic-"))
-    results: dict[str, list[dict[str, Any]]] = {SCENARIOS[key][0]: [] for key in args.scenarios}
-    for round_ in range(args.rounds):
-        for key in args.scenarios:
-            name, mode = SCENARIOS[key]
-            out = workdir / f"round{round_}-{key}"
-            run_id = f"bench-elastic-{round_}-{key}-{time.time_ns()}"
-            results[name].append(run_scenario(args, mode, out, run_id))
-            print(f"round {round_ + 1}/{args.rounds}, {name}: {json.dumps(results[name][-1])}", flush=True)
+
+    def measure(key: str, index: int) -> dict[str, Any]:
+        name, mode = SCENARIOS[key]
+        run_id = f"bench-elastic-{index}-{key}-{time.time_ns()}"
+        result = run_scenario(args, mode, workdir / f"round{index}-{key}", run_id)
+        print(f"round {index + 1}/{args.rounds}, {name}: {json.dumps(result)}", flush=True)
+        return result
+
+    results = {
+        SCENARIOS[key][0]: runs for key, runs in interleaved_rounds(args.scenarios, args.rounds, measure).items()
+    }
     summary = {
         "machine": machine_description(),
         "config": arguments_record(args),
@@ -381,8 +386,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _median(runs: list[dict[str, Any]], key: str) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(values) if values else None
+    return median_or(r.get(key) for r in runs)
 
 
 def _print_table(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> None:

@@ -41,6 +41,7 @@ from lightning_dynamix.bench.hosts import (
     parse_links,
 )
 from lightning_dynamix.bench.records import arguments_record, machine_description
+from lightning_dynamix.bench.rounds import interleaved_rounds
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CRITEO_LIKE_TABLE_SIZES, CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
@@ -151,18 +152,20 @@ def _speed(args: argparse.Namespace) -> dict[str, Any]:
                 f" (with --servers {args.servers}), got {args.setups!r}"
             )
         setups = [setup for setup in setups if setup[0] in names]
-    steps: dict[str, list[float]] = {name: [] for name, *_ in setups}
+    by_name = {name: rest for name, *rest in setups}
     # on hosts: the trainer on the first, each server on one more
     links = args.links
     on_hosts = Hosts([links[0]] + [links[1]] * max(counts)) if links is not None else contextlib.nullcontext()
     with on_hosts as hosts:
-        for round_index in range(args.rounds):
-            order = setups if round_index % 2 == 0 else setups[::-1]
-            for name, servers, staleness, depth, threads in order:
-                run = {"servers": servers, "staleness": staleness, "depth": depth, "threads": threads}
-                step = _step_on_hosts(args, run, round_index, hosts) if hosts else _step(args, run, round_index)
-                steps[name].append(step)
-                print(f"round {round_index} {name:>32}: {1e3 * steps[name][-1]:8.2f} ms/step", flush=True)
+
+        def measure(name: str, round_index: int) -> float:
+            servers, staleness, depth, threads = by_name[name]
+            run = {"servers": servers, "staleness": staleness, "depth": depth, "threads": threads}
+            step = _step_on_hosts(args, run, round_index, hosts) if hosts else _step(args, run, round_index)
+            print(f"round {round_index} {name:>32}: {1e3 * step:8.2f} ms/step", flush=True)
+            return step
+
+        steps = interleaved_rounds(list(by_name), args.rounds, measure)
     base = statistics.median(steps["in-process"])
     return {
         name: {

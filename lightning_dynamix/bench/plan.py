@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -56,6 +57,7 @@ from lightning_dynamix.bench.hosts import (
     parse_links,
 )
 from lightning_dynamix.bench.records import arguments_record, machine_description
+from lightning_dynamix.bench.rounds import interleaved_rounds
 from lightning_dynamix.bench.timing import StepTimer, timed_trainer
 from lightning_dynamix.data import CTRDataModule
 from lightning_dynamix.data.dlrm import DLRM
@@ -221,6 +223,17 @@ def _measure_here(
     return timer.timings[0].median_step_seconds, (counts[-1] - counts[0]) / max(len(counts) - 1, 1)
 
 
+def _measured_round(
+    plan: Any, args: argparse.Namespace, threads: int, hosts: Any, lookups: list[float], staleness: int, index: int
+) -> float:
+    """One round's step of ``plan`` run at ``staleness`` (seconds); its lookups per step appended to ``lookups``."""
+    step, requests = _measure(plan, args, index, threads, staleness, hosts)
+    lookups.append(requests)
+    servers = plan.embedding_servers()
+    print(f"{servers} server(s), staleness {staleness}, round {index}: {1e3 * step:.2f} ms/step", flush=True)
+    return step
+
+
 def run(args: argparse.Namespace) -> None:
     if args.job is not None:
         _measure_job(args.job)
@@ -284,20 +297,12 @@ def run(args: argparse.Namespace) -> None:
         plan = cost.plan([0 if index in tables else 1 for index in range(len(profile.layers))], solver="fixed")
         if plan is None or plan.embedding_servers() != servers:
             raise SystemExit(f"dynamix bench plan: the plan for {servers} servers came out as {plan}")
-        steps: dict[int, list[float]] = {0: [], 1: []}
         lookups = []
         # on hosts: the trainer on the first, each server on one more
         on_hosts = Hosts([rates[0]] + [rates[1]] * servers) if links is not None else contextlib.nullcontext()
         with on_hosts as hosts:
-            for round_index in range(args.rounds):
-                for staleness in (0, 1):
-                    step, requests = _measure(plan, args, round_index, threads, staleness, hosts)
-                    steps[staleness].append(step)
-                    lookups.append(requests)
-                    print(
-                        f"{servers} server(s), staleness {staleness}, round {round_index}: {1e3 * step:.2f} ms/step",
-                        flush=True,
-                    )
+            measure = functools.partial(_measured_round, plan, args, threads, hosts, lookups)
+            steps = interleaved_rounds([0, 1], args.rounds, measure)
         measured = {staleness: args.batch_size / statistics.median(values) for staleness, values in steps.items()}
         result["plans"][str(servers)] = {
             "plan": plan.to_dict(),

@@ -48,25 +48,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     """Run every job ``--rounds`` times, interleaved, and print each one's medians."""
     from lightning_dynamix.bench.records import arguments_record, machine_description
+    from lightning_dynamix.bench.rounds import interleaved_rounds
 
     widths = [int(h) for h in str(args.hidden).split(",")]
     jobs = [j.strip() for j in str(args.jobs).split(",")]
     for job in jobs:
         if job not in JOBS:
             raise SystemExit(f"--jobs: unknown job {job!r}; choose from {', '.join(JOBS)}")
-    times: dict[str, list[float]] = {}
-    for round_ in range(args.rounds):
-        for hidden in widths:
-            for job in jobs:
-                command = [sys.executable, "-m", "lightning_dynamix.bench.sit_out", "--job", job]
-                command += ["--hidden", str(hidden), "--batch-size", str(args.batch_size)]
-                command += ["--steps", str(args.steps), "--every", str(args.every)]
-                proc = subprocess.run(command, capture_output=True, text=True, check=False)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-                step = json.loads(proc.stdout.strip().splitlines()[-1])["median_step_seconds"]
-                times.setdefault(f"{job} hidden {hidden}", []).append(step)
-                print(f"round {round_ + 1}: {job:>6} hidden {hidden:>5}: {step * 1e3:.3f} ms a step", flush=True)
+
+    def measure(setup: tuple[str, int], index: int) -> float:
+        job, hidden = setup
+        command = [sys.executable, "-m", "lightning_dynamix.bench.sit_out", "--job", job]
+        command += ["--hidden", str(hidden), "--batch-size", str(args.batch_size)]
+        command += ["--steps", str(args.steps), "--every", str(args.every)]
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        step = json.loads(proc.stdout.strip().splitlines()[-1])["median_step_seconds"]
+        print(f"round {index + 1}: {job:>6} hidden {hidden:>5}: {step * 1e3:.3f} ms a step", flush=True)
+        return step
+
+    setups = [(job, hidden) for hidden in widths for job in jobs]
+    measured = interleaved_rounds(setups, args.rounds, measure)
+    times = {f"{job} hidden {hidden}": steps for (job, hidden), steps in measured.items()}
     print(f"\nrank 0's step, median of {args.rounds} rounds (min-max); samples/s at the global batch {args.batch_size}")
     summary = {}
     for name, steps in times.items():

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from lightning_dynamix._stats import median_or
 from lightning_dynamix.control.goodput import fit_step_time
 from lightning_dynamix.rl.simulator import ClusterSimulator, Scenario
 
@@ -57,11 +58,6 @@ class CalibrationReport:
     compute_fit: list[tuple[float, float]]
     assumed: dict[str, object] = field(default_factory=dict)
     replay_step_time_error: float = math.nan
-
-
-def _median(values: Sequence[float], default: float = math.nan) -> float:
-    finite = [v for v in values if math.isfinite(v)]
-    return statistics.median(finite) if finite else default
 
 
 def calibrate(
@@ -110,8 +106,9 @@ def calibrate(
         # what a step spends outside data, compute and the all-reduce wait (the optimizer, logging)
         # is paid every step whatever the batch: part of the overhead
         step_time, sync = table(r, "step_time"), table(r, "sync_wait")
-        rest = _median(
-            [step_time[s] - wait.get(s, 0.0) - compute[s] - sync.get(s, 0.0) for s in step_time if s in compute]
+        rest = median_or(
+            [step_time[s] - wait.get(s, 0.0) - compute[s] - sync.get(s, 0.0) for s in step_time if s in compute],
+            math.nan,
         )
         overhead.append(alpha + max(0.0, rest if math.isfinite(rest) else 0.0))
         per_sample.append(beta)
@@ -125,15 +122,15 @@ def calibrate(
         if len(waited) > len(loads) // 2:
             data.append(sum(b * t for b, t in waited) / sum(b * b for b, _ in waited))
         else:  # prefetching hid the loading: what little it waited is a lower bound
-            data.append(_median([wait.get(s, 0.0) / sizes[s] for s in steps if s in sizes], 0.0))
+            data.append(median_or([wait.get(s, 0.0) / sizes[s] for s in steps if s in sizes], 0.0))
 
-    comm = _median([v for r in range(n) for v in table(r, "comm_time").values()], 0.0)
+    comm = median_or([v for r in range(n) for v in table(r, "comm_time").values()], 0.0)
     # the exposed transfer: what the last rank to finish waits. In a balanced interval every rank is
     # last only part of the time and its mean wait also holds the others' jitter, so the least wait
     # of any rank in any interval is the closest to it
     waits = [min(table(r, "sync_wait").get(s, math.inf) for r in range(n)) for s in steps]
     exposed = min((w for w in waits if math.isfinite(w)), default=0.0)
-    measured_bandwidth = _median([v for _, v in series.get("bandwidth", [])])
+    measured_bandwidth = median_or([v for _, v in series.get("bandwidth", [])], math.nan)
     if n > 1 and comm > 0 and math.isfinite(measured_bandwidth):
         gradient_bytes = measured_bandwidth * comm
         bandwidth = 2.0 * (n - 1) / n * gradient_bytes / comm
@@ -144,7 +141,10 @@ def calibrate(
 
     noise = [v for _, v in series.get("gradient_noise_scale", []) if v > 0]
     if noise:
-        noise_start, noise_end = _median(noise[:3]), max(_median(noise[-3:]), _median(noise[:3]))
+        noise_start, noise_end = (
+            median_or(noise[:3], math.nan),
+            max(median_or(noise[-3:], math.nan), median_or(noise[:3], math.nan)),
+        )
     else:
         noise_start = noise_end = 1e6
         assumed["noise_scale"] = "not logged: taken as far above the batch (no statistical-efficiency effect)"
@@ -246,5 +246,5 @@ def replay(
         measured = max(times[r].get(step, math.nan) for r in range(n))
         rows.append((step, measured, state.step_time))
     errors = [abs(sim - real) / real for _, real, sim in rows if math.isfinite(real) and real > 0]
-    report.replay_step_time_error = _median(errors)
+    report.replay_step_time_error = median_or(errors, math.nan)
     return rows
