@@ -135,6 +135,10 @@ class Lighthouse:
     A job's own lighthouse is better started on its own (``torchft_lighthouse ...``, module docstring),
     on a machine that does not fail with a replica.
 
+    torchft logs a line for every quorum at its INFO level: where ``RUST_LOG`` is not set, the lighthouse logs
+    warnings and errors only (``RUST_LOG`` is read once per process, as torchft loads: set ``RUST_LOG=info``
+    before it is imported to see them).
+
     Args:
         min_replicas: the fewest replicas a quorum may have.
         host: the address to listen on and to give replicas.
@@ -159,6 +163,7 @@ class Lighthouse:
         for name, value in (("join_timeout", join_timeout), ("quorum_tick", quorum_tick)):
             require_number(name, value, 0.0, math.inf, low_open=False, high_open=True)
         require_number("heartbeat_timeout", heartbeat_timeout, 0.0, math.inf, low_open=True, high_open=True)
+        os.environ.setdefault("RUST_LOG", "warn")  # read as torchft loads: no line per quorum in a terminal
         _torchft()  # a clear error where the extra is missing
         from torchft.coordination import LighthouseServer
 

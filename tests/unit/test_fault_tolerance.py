@@ -123,3 +123,20 @@ def test_dynamix_callback_refuses_a_learning_rate_rule_under_the_fault_tolerant_
     trainer = quiet_trainer(strategy=strategy, devices=1, max_steps=1, callbacks=[DynamixCallback(lr_scaling="linear")])
     with pytest.raises(MisconfigurationException, match="lr_scaling='none'"):
         trainer.fit(Net(num_samples=24))
+
+
+def test_a_lighthouse_started_here_logs_no_line_per_quorum_unless_asked():
+    script = (
+        "import time\n"
+        "from lightning_dynamix.distributed.fault_tolerance import Lighthouse\n"
+        "with Lighthouse(min_replicas=1, quorum_tick=0.01):\n"
+        "    time.sleep(0.3)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    quiet = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "[INFO]" not in quiet.stderr + quiet.stdout
+    asked = subprocess.run(
+        [sys.executable, "-c", script], env={**env, "RUST_LOG": "info"}, capture_output=True, text=True, timeout=60
+    )
+    assert "Quorum status" in asked.stderr + asked.stdout  # the user's RUST_LOG wins
