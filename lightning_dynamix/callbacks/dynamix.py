@@ -8,7 +8,7 @@ new per-rank batch sizes (the gradients stay the exact global-batch mean) and, w
 learning-rate scaling rule, a new learning rate for the new global batch.
 
 Under ``FaultTolerantStrategy`` (torchft) each process is a replica of its own: the callback hands its
-controller to the strategy (:class:`~lightning_dynamix.loop.ReplicaBalancer`), where
+controller to the strategy (:class:`~lightning_dynamix.decisions.ReplicaBalancer`), where
 every replica decides on the same measurements, carried with each step's sizes, keyed by machine; the
 global batch stays the strategy's ``global_batch_size`` and the decision splits it.
 """
@@ -25,8 +25,14 @@ from lightning_dynamix._checks import require_optional_int
 from lightning_dynamix.callbacks.measurement import ClusterMetricsMonitor
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
+from lightning_dynamix.decisions import (
+    DecisionMaker,
+    ReplicaBalancer,
+    build_controller,
+    check_world_size,
+    wants_noise_scale,
+)
 from lightning_dynamix.elastic import gather_machine_ids
-from lightning_dynamix.loop import DecisionMaker, ReplicaBalancer, build_controller, check_world_size, wants_noise_scale
 from lightning_dynamix.metrics import ClusterState
 from lightning_dynamix.strategies.fault_tolerant import FaultTolerantStrategy
 

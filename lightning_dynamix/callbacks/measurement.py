@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_dynamix.control.base import Decision
-from lightning_dynamix.loop import IntervalMeter, IntervalRecord, interval_metrics
+from lightning_dynamix.decisions import IntervalMeter, IntervalRecord, interval_metrics
 from lightning_dynamix.metrics import ClusterState
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
 

@@ -29,7 +29,7 @@ own. Every step:
 The epoch's last step follows the rule of :mod:`lightning_dynamix.data.schedule`: a step that would
 leave fewer samples than one per participant takes all that remain.
 
-With a :class:`~lightning_dynamix.loop.ReplicaBalancer` the sizes each replica asks for come from a controller
+With a :class:`~lightning_dynamix.decisions.ReplicaBalancer` the sizes each replica asks for come from a controller
 (pid, goodput, ppo: ``DynamixCallback``'s). The step's all-reduce also carries every participant's machine (a
 hash of its ``replica_id``) and its own time per step (from its plan to its gradients, committed steps at one
 size), so every participant holds the same :class:`~lightning_dynamix.metrics.ClusterState` every ``interval``
@@ -247,7 +247,7 @@ def participant_sizes(global_batch: int, requested: Sequence[float], remaining: 
 
 class Balancer(Protocol):
     """What :class:`FaultTolerantReplica` asks of the controller that decides its sizes
-    (:class:`lightning_dynamix.loop.ReplicaBalancer`)."""
+    (:class:`lightning_dynamix.decisions.ReplicaBalancer`)."""
 
     warmup_steps: int
     decided: dict[int, int]
@@ -281,7 +281,7 @@ class FaultTolerantReplica:
         quorum_timeout: seconds to wait for a quorum.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA).
         balancer: the controller whose decisions this replica asks for
-            (:class:`~lightning_dynamix.loop.ReplicaBalancer`); its state travels to a joining replica with the
+            (:class:`~lightning_dynamix.decisions.ReplicaBalancer`); its state travels to a joining replica with the
             caller's. ``None``: the sizes given to :meth:`begin_step`.
         time_source: what times this replica's own work (from its plan to :meth:`sync_gradients`) for the
             balancer: the host's clock by default; CUDA events on a GPU

@@ -58,6 +58,15 @@ from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
 from lightning_dynamix.data.schedule import BatchSizes
+from lightning_dynamix.decisions import (
+    DecisionMaker,
+    IntervalMeter,
+    IntervalRecord,
+    build_controller,
+    check_world_size,
+    interval_metrics,
+    wants_noise_scale,
+)
 from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
@@ -74,15 +83,6 @@ from lightning_dynamix.distributed.batch_norm import (
     set_statistics_group,
 )
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, gather_machine_ids
-from lightning_dynamix.loop import (
-    DecisionMaker,
-    IntervalMeter,
-    IntervalRecord,
-    build_controller,
-    check_world_size,
-    interval_metrics,
-    wants_noise_scale,
-)
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 

@@ -26,7 +26,7 @@ dynamix.close()
 ```
 
 With a ``controller`` (``"pid"``, ``"goodput"``, ``"ppo"``, as ``DynamixAccelerate``'s) the replicas' sizes follow
-its decisions (:class:`~lightning_dynamix.loop.ReplicaBalancer`), timed on the device.
+its decisions (:class:`~lightning_dynamix.decisions.ReplicaBalancer`), timed on the device.
 
 Why not ``DynamixAccelerate`` itself: it is built on one process group over all ranks of a launch (its weighted
 DDP hook, its resized DataLoader and its gathers). torchft replaces that group by one whose members change at
@@ -52,13 +52,13 @@ from torch.utils.data import Dataset, default_collate
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import BatchController
 from lightning_dynamix.data.loader import EmptyBatch
+from lightning_dynamix.decisions import DecisionMaker, IntervalRecord, ReplicaBalancer, build_controller
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
     ReplicaSettings,
     StepBatches,
     StepPlan,
 )
-from lightning_dynamix.loop import DecisionMaker, IntervalRecord, ReplicaBalancer, build_controller
 from lightning_dynamix.metrics.clocks import time_source_for
 
 

@@ -15,7 +15,7 @@ single-device run. The replicas meet through torchft's lighthouse before every s
 * a replica that joins receives the LightningModule's and optimizers' state, the learning-rate schedulers'
   and the fit loop's position from a peer (no checkpoint file), and starts at the job's step;
 * with :class:`~lightning_dynamix.callbacks.DynamixCallback` in the Trainer's callbacks, its controller
-  decides what each replica asks for (:class:`~lightning_dynamix.loop.ReplicaBalancer`):
+  decides what each replica asks for (:class:`~lightning_dynamix.decisions.ReplicaBalancer`):
   every replica's time per step travels with the step's sizes, the controller's state with a joiner's, and
   the global batch is split over whoever takes part in each step.
 
@@ -40,12 +40,12 @@ from typing_extensions import override
 
 from lightning_dynamix import _compat
 from lightning_dynamix.data.loader import EmptyBatch
+from lightning_dynamix.decisions import ReplicaBalancer
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
     ReplicaSettings,
     StepBatches,
 )
-from lightning_dynamix.loop import ReplicaBalancer
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 
 log = logging.getLogger(__name__)

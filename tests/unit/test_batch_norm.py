@@ -14,13 +14,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_dynamix import HeterogeneousDDPStrategy
 from lightning_dynamix.control.allocation import respect_least_batch_size
 from lightning_dynamix.data.schedule import EpochSchedule
+from lightning_dynamix.decisions import DecisionMaker
 from lightning_dynamix.distributed.batch_norm import (
     GlobalBatchNorm,
     convert_batch_norm,
     least_batch_size,
     revert_batch_norm,
 )
-from lightning_dynamix.loop import DecisionMaker
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 
 

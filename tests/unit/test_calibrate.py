@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from lightning_dynamix.control import PIDController
-from lightning_dynamix.loop import IntervalRecord, interval_metrics
+from lightning_dynamix.decisions import IntervalRecord, interval_metrics
 from lightning_dynamix.rl import ClusterSimulator, Scenario
 from lightning_dynamix.rl.calibrate import calibrate, replay
 

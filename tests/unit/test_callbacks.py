@@ -201,7 +201,7 @@ def test_measurements_that_are_not_finite_never_reach_the_controller_and_warn_on
     dynamix = DynamixCallback(controller)
     # rank 1 completed no step in the interval: its times are NaN
     silent = ClusterState((WorkerMetrics(0, 24, 0.0, 0.1, 0.0, 0.1), WorkerMetrics(1, 24)))
-    with caplog.at_level(logging.WARNING, logger="lightning_dynamix.loop"):
+    with caplog.at_level(logging.WARNING, logger="lightning_dynamix.decisions"):
         first = dynamix.maker.propose(silent, [24, 24])
         second = dynamix.maker.propose(silent, [24, 24])
     assert first.batch_sizes == second.batch_sizes == (24, 24)

@@ -696,7 +696,7 @@ def test_ppo_regroup_carries_its_balancer_over():
 
 
 def test_decision_maker_maps_the_controller_state_by_machine_id():
-    from lightning_dynamix.loop import DecisionMaker
+    from lightning_dynamix.decisions import DecisionMaker
 
     saved = DecisionMaker(PIDController(smoothing=0.0), "pid", "none", "test")
     saved.join(["a", "b", "c"])

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_dynamix.callbacks import DynamixCallback
 from lightning_dynamix.control import PIDController
+from lightning_dynamix.decisions import DecisionMaker, ReplicaBalancer
 from lightning_dynamix.distributed import free_port
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
@@ -19,7 +20,6 @@ from lightning_dynamix.distributed.fault_tolerance import (
     machine_key,
     participant_sizes,
 )
-from lightning_dynamix.loop import DecisionMaker, ReplicaBalancer
 from lightning_dynamix.strategies import FaultTolerantStrategy
 from tests.distributed.jobs.common import Net, quiet_trainer
 

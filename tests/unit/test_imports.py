@@ -151,3 +151,13 @@ def test_the_import_reader_sees_late_and_relative_imports():
     assert {f"{PACKAGE}.strategies", f"{PACKAGE}.strategies.LayerOffloadStrategy", "lightning.pytorch"} <= found
     assert _unit(f"{PACKAGE}.strategies.LayerOffloadStrategy", _root_exports()) == f"{PACKAGE}.strategies"
     assert _unit(f"{PACKAGE}.DynamixCallback", _root_exports()) == f"{PACKAGE}.callbacks"
+
+
+def test_the_module_renamed_to_decisions_still_imports_under_its_old_name_with_a_warning():
+    import pytest
+
+    from lightning_dynamix import decisions
+
+    with pytest.warns(DeprecationWarning, match=r"lightning_dynamix\.loop is now lightning_dynamix\.decisions"):
+        from lightning_dynamix.loop import DecisionMaker
+    assert DecisionMaker is decisions.DecisionMaker

@@ -17,7 +17,7 @@ from lightning_dynamix import HeterogeneityEmulator, HeterogeneousDDPStrategy
 from lightning_dynamix.control import GoodputController, PIDController, StaticController
 from lightning_dynamix.control.allocation import respect_batch_size_caps
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
-from lightning_dynamix.loop import DecisionMaker, IntervalMeter
+from lightning_dynamix.decisions import DecisionMaker, IntervalMeter
 from lightning_dynamix.metrics.memory import DeviceMemory
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, OutOfMemoryStop

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 from lightning_dynamix.control import Decision, GoodputController, PIDController, StaticController
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader, final_step_sizes
+from lightning_dynamix.decisions import _PROBE_BUDGET, _PROBE_WAIT_FIRST, _PROBE_WAIT_MOST, DecisionMaker
 from lightning_dynamix.distributed import (
     BucketNorms,
     SyncWindowWeighting,
@@ -21,7 +22,6 @@ from lightning_dynamix.distributed import (
     WeightedAllReduceState,
     report_gradient_norms,
 )
-from lightning_dynamix.loop import _PROBE_BUDGET, _PROBE_WAIT_FIRST, _PROBE_WAIT_MOST, DecisionMaker
 from lightning_dynamix.metrics.state import ClusterState, WorkerMetrics
 
 ZERO_STEP_SECONDS = 0.001  # what a step costs a rank that sits it out

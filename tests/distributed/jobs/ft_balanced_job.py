@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_state, wait_to_join, write_plan
 
 from lightning_dynamix.control import PIDController
+from lightning_dynamix.decisions import DecisionMaker, ReplicaBalancer
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica, machine_key
-from lightning_dynamix.loop import DecisionMaker, ReplicaBalancer
 from lightning_dynamix.metrics.clocks import HostClock
 
 NUM_SAMPLES, GLOBAL_BATCH, STEPS, INTERVAL = 120, 12, 30, 2
