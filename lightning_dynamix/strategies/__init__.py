@@ -1,9 +1,9 @@
 """Lightning strategies; importing this package registers their names with Lightning."""
 
-from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.fault_tolerant import FaultTolerantStrategy
 from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
 from lightning_dynamix.strategies.layer_offload import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
+from lightning_dynamix.strategies.layer_sync import GlobalBatchNormSync
 
 __all__ = [
     "FaultTolerantStrategy",

@@ -81,8 +81,8 @@ from lightning_dynamix.distributed import (
 from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
 from lightning_dynamix.metrics.timers import StepClock
-from lightning_dynamix.strategies.batch_norm import GlobalBatchNormSync
 from lightning_dynamix.strategies.epoch_metrics import EpochMetricsAgreement
+from lightning_dynamix.strategies.layer_sync import GlobalBatchNormSync
 from lightning_dynamix.strategies.memory_recovery import OutOfMemoryRecovery, recovery_obstacles
 
 log = logging.getLogger(__name__)
