@@ -282,7 +282,7 @@ def run_offload_job(
     Returns:
         The trainer's exit status, or what went wrong where it exited 0 and a server did not end after it.
     """
-    from lightning_dynamix.serve import server_command
+    from lightning_dynamix.offload.server_process import server_command
 
     process = hosts.popen(0, trainer, env={**os.environ, **hosts.env(0)}, stdout=log, stderr=subprocess.STDOUT)
     address = f"{hosts.address(0)}:{SERVER_PORT}"

@@ -12,14 +12,13 @@ process by ``python -m lightning_dynamix.serve``), and the trainer's side, the r
 which :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` puts together.
 """
 
+from lightning_dynamix.offload.embedding_server import EmbeddingServer, TableSpec
 from lightning_dynamix.offload.remote import (
     EmbeddingClient,
     EmbeddingServerError,
     RemoteEmbedding,
     RemoteEmbeddingBag,
 )
-from lightning_dynamix.offload.server import EmbeddingServer, TableSpec
-from lightning_dynamix.offload.shard import TableShard, reshard_states
 from lightning_dynamix.offload.sharding import Route, RowSharding, route
 from lightning_dynamix.offload.sparse_optim import (
     SPARSE_OPTIMIZERS,
@@ -30,6 +29,7 @@ from lightning_dynamix.offload.sparse_optim import (
     make_sparse_optimizer,
     sparse_counterpart,
 )
+from lightning_dynamix.offload.table_shard import TableShard, reshard_states
 
 __all__ = [
     "SPARSE_OPTIMIZERS",

@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from lightning_dynamix import _compat
 from lightning_dynamix.metrics.clocks import Mark, WaitTimer
-from lightning_dynamix.offload import server as remote
-from lightning_dynamix.offload.server import TableSpec, server_name
+from lightning_dynamix.offload import embedding_server as remote
+from lightning_dynamix.offload.embedding_server import TableSpec, server_name
 from lightning_dynamix.offload.sharding import Route, RowSharding, TablesRoute, route, route_tables
 
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)

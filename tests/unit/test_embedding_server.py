@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from lightning_dynamix.offload import EmbeddingServer, RowAdagrad, RowSGD, TableSpec
-from lightning_dynamix.offload.server import PUSH_REORDER_WINDOW, EmbeddingServerFailed
+from lightning_dynamix.offload.embedding_server import PUSH_REORDER_WINDOW, EmbeddingServerFailed
+from lightning_dynamix.offload.server_process import server_command
 from lightning_dynamix.serve import main as serve_main
-from lightning_dynamix.serve import server_command
 
 ROWS, DIM = 6, 2
 
@@ -236,7 +236,7 @@ def test_a_launched_server_starts_as_the_serve_command_without_importing_lightni
     assert "python -m lightning_dynamix.serve: error: `server_rank` must be in [0, 2), got 2" in proc.stderr
     assert re.search(r"\|\s+torch$", proc.stderr, flags=re.MULTILINE)  # (the listing is there)
     assert "lightning.pytorch" not in proc.stderr
-    assert "lightning_dynamix.offload.server" in proc.stderr
+    assert "lightning_dynamix.offload.embedding_server" in proc.stderr
 
 
 @pytest.mark.e2e

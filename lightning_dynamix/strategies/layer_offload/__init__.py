@@ -55,7 +55,7 @@ from lightning_dynamix.strategies.layer_offload.heterogeneous import (
     HeterogeneousLayerOffloadStrategy,
 )
 from lightning_dynamix.strategies.layer_offload.runner_profile import profile_runner
-from lightning_dynamix.strategies.layer_offload.servers import threads_beside_servers
+from lightning_dynamix.strategies.layer_offload.server_processes import threads_beside_servers
 from lightning_dynamix.strategies.layer_offload.strategy import STRATEGY_NAME, LayerOffloadStrategy
 
 __all__ = [

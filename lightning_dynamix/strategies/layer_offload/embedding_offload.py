@@ -30,10 +30,10 @@ from lightning_dynamix.data import HeterogeneousDataLoader
 from lightning_dynamix.distributed import let_backend_threads_finish
 from lightning_dynamix.metrics.clocks import WaitTimer
 from lightning_dynamix.offload import SparseRowOptimizer
+from lightning_dynamix.offload.embedding_server import parse_address
 from lightning_dynamix.offload.remote import EmbeddingClient, RemoteTable, remote_module
-from lightning_dynamix.offload.server import parse_address
 from lightning_dynamix.placement import PlacementPlan
-from lightning_dynamix.strategies.layer_offload import checkpoints, lookups, overflow, servers, tables
+from lightning_dynamix.strategies.layer_offload import checkpoints, lookups, overflow, server_processes, tables
 
 ServerWait = WaitTimer
 """Told of every wait of a lookup for the servers' answer (``collective(started, ended)``, marks of its ``now()``)."""
@@ -210,20 +210,22 @@ class EmbeddingOffload:
     def _set_threads(self, strategy: OffloadingStrategy) -> None:
         threads = self.trainer_threads
         if threads is None and self.launch_servers and strategy.node_rank == 0:
-            threads = servers.threads_beside_servers(self.num_embedding_servers, strategy.num_processes)
+            threads = server_processes.threads_beside_servers(self.num_embedding_servers, strategy.num_processes)
         if threads is not None:
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
 
     def _start_servers(self, strategy: OffloadingStrategy, timeout_s: float) -> None:
         num_trainers = strategy.world_size
-        address = servers.meeting_address(strategy, self.server_port)
+        address = server_processes.meeting_address(strategy, self.server_port)
         if self.launch_servers and strategy.is_global_zero:
             self.servers = [
-                servers.launch_server(address, s, self.num_embedding_servers, num_trainers, self.staleness, timeout_s)
+                server_processes.launch_server(
+                    address, s, self.num_embedding_servers, num_trainers, self.staleness, timeout_s
+                )
                 for s in range(self.num_embedding_servers)
             ]
-        servers.join_servers(
+        server_processes.join_servers(
             strategy.global_rank, num_trainers, self.num_embedding_servers, address, timeout_s, self.launch_servers
         )
 
@@ -337,7 +339,7 @@ class EmbeddingOffload:
             finally:
                 self._client = None
                 launched, self.servers = self.servers, []
-                servers.stop_servers(launched, finished, self._failed)
+                server_processes.stop_servers(launched, finished, self._failed)
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -371,7 +373,7 @@ class EmbeddingOffload:
                 for name, embedding in self._offloaded.items():
                     tables.set_submodule(module, name, embedding)
             self._offloaded, self._remote = {}, {}
-            servers.leave_servers()
+            server_processes.leave_servers()
         return finished
 
     def _set_up(self) -> OffloadingStrategy:

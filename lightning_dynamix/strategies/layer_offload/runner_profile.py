@@ -15,7 +15,7 @@ waits for them, pushes the rows' gradients back, has them applied, and steps the
 * ``rows``, ``trainer_row_seconds`` and ``server_row_seconds``: the distinct rows a batch looks up
   per table, and per row what the trainer does with it (route it, assemble it, split its gradient)
   and what a server does (look it up, apply the sparse optimiser's update), timed with the real
-  routing and an :class:`~lightning_dynamix.offload.server.EmbeddingServer` in this process holding
+  routing and an :class:`~lightning_dynamix.offload.embedding_server.EmbeddingServer` in this process holding
   the model's tables, with the counterpart of its optimiser.
 
 :class:`~lightning_dynamix.placement.CostModel` adds them to the stages of a plan (see there), so a
@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from lightning_dynamix.offload import RowSGD, sparse_counterpart
-from lightning_dynamix.offload.server import EmbeddingServer, TableSpec
+from lightning_dynamix.offload.embedding_server import EmbeddingServer, TableSpec
 from lightning_dynamix.offload.sharding import RowSharding, route_tables
 from lightning_dynamix.placement import RunnerProfile
 from lightning_dynamix.placement.profile import (

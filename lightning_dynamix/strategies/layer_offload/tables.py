@@ -21,8 +21,8 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dynamix.offload import SparseRowOptimizer, make_sparse_optimizer
+from lightning_dynamix.offload.embedding_server import TableSpec
 from lightning_dynamix.offload.remote import EMBEDDING_TYPES, EmbeddingClient
-from lightning_dynamix.offload.server import TableSpec
 from lightning_dynamix.offload.sparse_optim import FrozenRows, sparse_counterpart
 from lightning_dynamix.placement import PlacementPlan
 

@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_dynamix.callbacks import DynamixCallback
 from lightning_dynamix.data import CTRSpec, SyntheticCTRDataset
-from lightning_dynamix.offload.server import remote_push, server_name
+from lightning_dynamix.offload.embedding_server import remote_push, server_name
 from lightning_dynamix.strategies import HeterogeneousLayerOffloadStrategy, LayerOffloadStrategy
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -20,8 +20,8 @@ import torch.distributed.rpc as rpc
 
 from lightning_dynamix import _compat
 from lightning_dynamix.distributed import free_port, job_environment
-from lightning_dynamix.offload.server import parse_address, rpc_options, trainer_name
-from lightning_dynamix.serve import server_command
+from lightning_dynamix.offload.embedding_server import parse_address, rpc_options, trainer_name
+from lightning_dynamix.offload.server_process import server_command
 
 if TYPE_CHECKING:
     from lightning_dynamix.strategies.layer_offload.embedding_offload import OffloadingStrategy

@@ -52,9 +52,9 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from torch.futures import Future
 
 from lightning_dynamix._checks import require_int
-from lightning_dynamix.offload.shard import TableShard, reshard_states
 from lightning_dynamix.offload.sharding import RowSharding, dtype_name
 from lightning_dynamix.offload.sparse_optim import SparseRowOptimizer
+from lightning_dynamix.offload.table_shard import TableShard, reshard_states
 
 # what one trainer pushes to one server for one step: per table, the local rows and their gradients
 Push = dict[str, tuple[torch.Tensor, torch.Tensor]]
