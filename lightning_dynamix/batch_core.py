@@ -365,25 +365,3 @@ class PerRankBatchCore:
         if self.norm_sink is not None:
             report_gradient_norms(self.hook_state, self.weighting, self.norm_sink)
         self.weighting.reset()
-
-
-class FromBatchCore:
-    """A front end's attribute that is its :class:`PerRankBatchCore`'s (``self.batch_core``), read-only unless
-    ``settable``: one place holds the value, whichever front end is asked."""
-
-    def __init__(self, doc: str, settable: bool = False) -> None:
-        self.__doc__ = doc
-        self.settable = settable
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(obj.batch_core, self.name)
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        if not self.settable:
-            raise AttributeError(f"`{self.name}` is read-only; give it to {type(obj).__name__}'s constructor")
-        setattr(obj.batch_core, self.name, value)

@@ -53,7 +53,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_dynamix._checks import require_bool, require_int
-from lightning_dynamix.batch_core import FromBatchCore, PerRankBatchCore
+from lightning_dynamix._forwarding import Forwarded
+from lightning_dynamix.batch_core import PerRankBatchCore
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
@@ -303,18 +304,24 @@ class DynamixAccelerate:
                 f"`controller_kwargs` {controller_kwargs!r} or finetune={finetune!r} given without a `controller`"
             )
 
-    min_batch_size = FromBatchCore("The smallest size any process may be given (0: it may sit steps out).")
-    least_batch_size = FromBatchCore(
+    min_batch_size = Forwarded("batch_core", "The smallest size any process may be given (0: it may sit steps out).")
+    least_batch_size = Forwarded(
+        "batch_core",
         "The smallest size a process that trains may be given: ``min_batch_size``, raised at :meth:`prepare` to"
-        " what the model's batch-dependent layers need (2 for BatchNorm; with ``min_batch_size=0`` it may sit out)."
+        " what the model's batch-dependent layers need (2 for BatchNorm; with ``min_batch_size=0`` it may sit out).",
     )
-    max_batch_size = FromBatchCore("The largest size any process may be given; ``None`` for no limit.")
-    batch_size_caps = FromBatchCore("The caps given, one per process (``None`` entries for none), or ``None``.")
-    loss_reduction = FromBatchCore("How the training loss combines the process's samples: ``'mean'`` or ``'sum'``.")
-    shuffle = FromBatchCore("Whether every epoch's global order is drawn at random.")
-    seed = FromBatchCore("The seed of the global order.")
-    drop_last = FromBatchCore("Whether the samples of an incomplete last global batch are dropped.")
-    resume_weights = FromBatchCore(
+    max_batch_size = Forwarded("batch_core", "The largest size any process may be given; ``None`` for no limit.")
+    batch_size_caps = Forwarded(
+        "batch_core", "The caps given, one per process (``None`` entries for none), or ``None``."
+    )
+    loss_reduction = Forwarded(
+        "batch_core", "How the training loss combines the process's samples: ``'mean'`` or ``'sum'``."
+    )
+    shuffle = Forwarded("batch_core", "Whether every epoch's global order is drawn at random.")
+    seed = Forwarded("batch_core", "The seed of the global order.")
+    drop_last = Forwarded("batch_core", "Whether the samples of an incomplete last global batch are dropped.")
+    resume_weights = Forwarded(
+        "batch_core",
         "Relative speeds of the processes when a state saved by another number of processes is loaded; ``None``"
         " splits the global batch evenly (with a controller, its knowledge of the machines is used).",
         settable=True,

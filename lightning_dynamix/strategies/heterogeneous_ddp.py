@@ -64,7 +64,8 @@ from typing_extensions import override
 
 from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_bool
-from lightning_dynamix.batch_core import FromBatchCore, GradientNormSink, PerRankBatchCore
+from lightning_dynamix._forwarding import Forwarded
+from lightning_dynamix.batch_core import GradientNormSink, PerRankBatchCore
 from lightning_dynamix.data import HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
@@ -187,18 +188,22 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         self._left_step = False  # whether this rank skips the step being trained
         self._global_batch_norm = False
 
-    min_batch_size = FromBatchCore("The smallest size any rank may be given (0: a rank may sit steps out).")
-    least_batch_size = FromBatchCore(
+    min_batch_size = Forwarded("batch_core", "The smallest size any rank may be given (0: a rank may sit steps out).")
+    least_batch_size = Forwarded(
+        "batch_core",
         "The smallest size a rank that trains may be given: ``min_batch_size``, or with ``min_batch_size=0`` 1,"
-        " raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm)."
+        " raised at set-up to what the model's batch-dependent layers need (2 for BatchNorm).",
     )
-    max_batch_size = FromBatchCore("The largest size any rank may be given; ``None`` for no limit.")
-    batch_size_caps = FromBatchCore("The caps given, one per rank (``None`` entries for none), or ``None``.")
-    loss_reduction = FromBatchCore("How the training loss combines the rank's samples: ``'mean'`` or ``'sum'``.")
-    shuffle = FromBatchCore("Whether every epoch's global order is drawn at random.")
-    seed = FromBatchCore("The seed of the global order.")
-    drop_last = FromBatchCore("Whether the incomplete last step of each epoch is skipped.")
-    resume_weights = FromBatchCore(
+    max_batch_size = Forwarded("batch_core", "The largest size any rank may be given; ``None`` for no limit.")
+    batch_size_caps = Forwarded("batch_core", "The caps given, one per rank (``None`` entries for none), or ``None``.")
+    loss_reduction = Forwarded(
+        "batch_core", "How the training loss combines the rank's samples: ``'mean'`` or ``'sum'``."
+    )
+    shuffle = Forwarded("batch_core", "Whether every epoch's global order is drawn at random.")
+    seed = Forwarded("batch_core", "The seed of the global order.")
+    drop_last = Forwarded("batch_core", "Whether the incomplete last step of each epoch is skipped.")
+    resume_weights = Forwarded(
+        "batch_core",
         "Relative speeds of this job's ranks when it resumes a checkpoint saved by another number of ranks"
         " (``DynamixCallback`` sets it from its controller); ``None`` splits the global batch evenly.",
         settable=True,

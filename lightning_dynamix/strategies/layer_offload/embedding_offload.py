@@ -416,31 +416,3 @@ def advertises_offload_arguments(init: Init) -> Init:
     ]
     init.__signature__ = own.replace(parameters=[*parameters[:-1], *offload, parameters[-1]])  # type: ignore[attr-defined]
     return init
-
-
-StrategyClass = TypeVar("StrategyClass", bound=type)
-
-
-def with_offload_attributes(strategy_class: StrategyClass) -> StrategyClass:
-    """``strategy_class``, whose instances hold an :class:`EmbeddingOffload` as ``embedding_offload``, with its
-    arguments, ``plan`` and ``client`` as attributes of the strategy's own: ``strategy.staleness`` is
-    ``strategy.embedding_offload.staleness`` (and setting one sets the other)."""
-    for name in (*OFFLOAD_ARGUMENTS, "plan", "client"):
-        setattr(strategy_class, name, _OffloadAttribute(name))
-    return strategy_class
-
-
-class _OffloadAttribute:
-    """A strategy's attribute that is its :class:`EmbeddingOffload`'s attribute ``name``."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.__doc__ = f"The strategy's ``embedding_offload.{name}``."
-
-    def __get__(self, strategy: Any, owner: type | None = None) -> Any:
-        if strategy is None:
-            return self
-        return getattr(strategy.embedding_offload, self.name)
-
-    def __set__(self, strategy: Any, value: Any) -> None:
-        setattr(strategy.embedding_offload, self.name, value)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynamix.distributed import LossReduction
@@ -17,14 +16,13 @@ from lightning_dynamix.strategies.layer_offload.embedding_offload import (
     EmbeddingOffload,
     advertises_offload_arguments,
     offload_arguments,
-    with_offload_attributes,
 )
+from lightning_dynamix.strategies.layer_offload.hooks import EmbeddingOffloadHooks
 
 HETEROGENEOUS_STRATEGY_NAME = "heterogeneous_layer_offload"
 
 
-@with_offload_attributes
-class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
+class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPStrategy):
     """:class:`~lightning_dynamix.strategies.LayerOffloadStrategy` with a batch size per trainer rank, changeable
     at any step.
 
@@ -112,94 +110,11 @@ class HeterogeneousLayerOffloadStrategy(HeterogeneousDDPStrategy):
         # an attempt's lookups and row gradients reach the embedding servers: a retry would push them twice
         return ["the embedding tables' row gradients of an attempt reach the servers"]
 
-    # training ------------------------------------------------------------------------------------------
-
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        closure = self.embedding_offload.before_optimizer_step(optimizer, closure)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # the trainer's share of the global batch is in its gradients already (the factor on its loss's
-        # gradient); the all-reduce multiplies the dense ones by the window's correction and sums: so do the servers
-        self.embedding_offload.after_optimizer_step(row_gradient_weight=self.sync_weight)
-        return output
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.embedding_offload.read_ahead(super().process_dataloader(dataloader))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs, training=True)
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().predict_step(*args, **kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self.embedding_offload.flush()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self.embedding_offload.flush()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self.embedding_offload.flush()
-
-    # checkpoints -----------------------------------------------------------------------------------------
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self.embedding_offload.save_shards(checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        self.embedding_offload.remove_shards(filepath)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the servers must exist to take their shards back
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.embedding_offload.remember_checkpoint(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self.embedding_offload.load_shards(checkpoint)
-
-    # the end ---------------------------------------------------------------------------------------------
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self.embedding_offload.note_failure()
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        self.embedding_offload.teardown()
-        super().teardown()
+    def _row_gradient_weight(self) -> float:
+        # the trainer's share of the global batch is in its gradients already (the factor on its loss's gradient);
+        # the all-reduce multiplies the dense ones by the window's correction and sums: so do the servers
+        return self.sync_weight
 
     @classmethod
     @override

@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dynamix.offload import SparseRowOptimizer
 from lightning_dynamix.placement import PlacementPlan
-from lightning_dynamix.strategies.layer_offload.embedding_offload import EmbeddingOffload, with_offload_attributes
+from lightning_dynamix.strategies.layer_offload.embedding_offload import EmbeddingOffload
+from lightning_dynamix.strategies.layer_offload.hooks import EmbeddingOffloadHooks
 
 STRATEGY_NAME = "layer_offload"
 
 
-@with_offload_attributes
-class LayerOffloadStrategy(DDPStrategy):
+class LayerOffloadStrategy(EmbeddingOffloadHooks, DDPStrategy):
     """DDP for the dense layers, with the embedding tables on CPU embedding servers.
 
     The offload is the strategy's :class:`~lightning_dynamix.strategies.layer_offload.EmbeddingOffload`
@@ -97,93 +96,9 @@ class LayerOffloadStrategy(DDPStrategy):
         super().setup(trainer)  # DDP over the dense rest; the optimizers are configured from it
         self.embedding_offload.create_tables(trainer)
 
-    # training ------------------------------------------------------------------------------------------
-
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        closure = self.embedding_offload.before_optimizer_step(optimizer, closure)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        # the servers take the mean of the trainers' row gradients, as DDP of the dense ones
-        self.embedding_offload.after_optimizer_step(row_gradient_weight=1.0 / self.world_size)
-        return output
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.embedding_offload.read_ahead(super().process_dataloader(dataloader))
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs, training=True)
-        return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.embedding_offload.prefetch_for_step(args, kwargs)
-        return super().predict_step(*args, **kwargs)
-
-    @override
-    def on_validation_start(self) -> None:
-        super().on_validation_start()
-        self.embedding_offload.flush()
-
-    @override
-    def on_test_start(self) -> None:
-        super().on_test_start()
-        self.embedding_offload.flush()
-
-    @override
-    def on_predict_start(self) -> None:
-        super().on_predict_start()
-        self.embedding_offload.flush()
-
-    # checkpoints -----------------------------------------------------------------------------------------
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self.embedding_offload.save_shards(checkpoint, filepath)
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        self.embedding_offload.remove_shards(filepath)
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # the servers must exist to take their shards back
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self.embedding_offload.remember_checkpoint(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        super().load_model_state_dict(checkpoint, strict=strict)
-        self.embedding_offload.load_shards(checkpoint)
-
-    # the end ---------------------------------------------------------------------------------------------
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self.embedding_offload.note_failure()
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        self.embedding_offload.teardown()
-        super().teardown()
+    def _row_gradient_weight(self) -> float:
+        return 1.0 / self.world_size  # the servers take the mean of the trainers' row gradients, as DDP's dense ones
 
     @classmethod
     @override
