@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix.data.splits import check_splits, split_loader
 
 CTRSample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """One sample, or a batch of them: dense features (float32), categorical ids (int64), click label (float32)."""
@@ -340,11 +341,7 @@ class CTRDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        require_int("num_samples", num_samples, 1)
-        require_int("num_val_samples", num_val_samples, 1)
-        require_int("batch_size", batch_size, 1)
-        require_int("val_batch_size", val_batch_size, 1)
-        require_int("num_workers", num_workers, 0)
+        check_splits(num_samples, num_val_samples, batch_size, val_batch_size, num_workers)
         self.spec = CTRSpec(
             num_dense=num_dense,
             table_sizes=table_sizes,  # type: ignore[arg-type]  # made a tuple by CTRSpec
@@ -372,15 +369,7 @@ class CTRDataModule(LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         assert self.train_dataset is not None  # setup() always sets it
-        return DataLoader(
-            self.train_dataset,
-            batch_size=h.batch_size,
-            shuffle=True,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-            collate_fn=collate_ctr,
-            generator=torch.Generator().manual_seed(h.seed),
-        )
+        return split_loader(self.train_dataset, h.batch_size, h.num_workers, h.seed, collate_ctr)
 
     @override
     def val_dataloader(self) -> DataLoader[CTRSample]:
@@ -388,11 +377,4 @@ class CTRDataModule(LightningDataModule):
         if self.val_dataset is None:
             self.setup("validate")
         assert self.val_dataset is not None  # setup() always sets it
-        return DataLoader(
-            self.val_dataset,
-            batch_size=h.val_batch_size,
-            shuffle=False,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-            collate_fn=collate_ctr,
-        )
+        return split_loader(self.val_dataset, h.val_batch_size, h.num_workers, None, collate_ctr)

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from typing_extensions import override
 
 from lightning_dynamix._checks import require_int, require_number
+from lightning_dynamix.data.splits import check_splits, split_loader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -136,11 +137,7 @@ class ImageClassificationDataModule(LightningDataModule):
         **dataset_kwargs: object,
     ) -> None:
         super().__init__()
-        require_int("num_samples", num_samples, 1)
-        require_int("num_val_samples", num_val_samples, 1)
-        require_int("batch_size", batch_size, 1)
-        require_int("val_batch_size", val_batch_size, 1)
-        require_int("num_workers", num_workers, 0)
+        check_splits(num_samples, num_val_samples, batch_size, val_batch_size, num_workers)
         require_int("seed", seed, 0)
         self.save_hyperparameters()
         self.dataset_kwargs = dataset_kwargs
@@ -162,24 +159,13 @@ class ImageClassificationDataModule(LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader[Batch]:
         h = self.hparams
-        return DataLoader(
-            Subset(self._generated(), range(h.num_samples)),
-            batch_size=h.batch_size,
-            shuffle=True,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-            generator=torch.Generator().manual_seed(h.seed),
-        )
+        return split_loader(Subset(self._generated(), range(h.num_samples)), h.batch_size, h.num_workers, h.seed)
 
     @override
     def val_dataloader(self) -> DataLoader[Batch]:
         h = self.hparams
-        return DataLoader(
-            Subset(self._generated(), range(h.num_samples, h.num_samples + h.num_val_samples)),
-            batch_size=h.val_batch_size,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-        )
+        validation = Subset(self._generated(), range(h.num_samples, h.num_samples + h.num_val_samples))
+        return split_loader(validation, h.val_batch_size, h.num_workers, seed=None)
 
 
 class _BasicBlock(nn.Module):

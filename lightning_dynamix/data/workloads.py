@@ -42,6 +42,7 @@ from typing_extensions import override
 from lightning_dynamix._checks import require_int, require_number
 from lightning_dynamix._layers import mlp
 from lightning_dynamix.data.images import ResNet
+from lightning_dynamix.data.splits import check_splits, split_loader
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerName = Literal["sgd", "adam"]
@@ -204,11 +205,7 @@ class ClassificationDataModule(LightningDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        require_int("num_samples", num_samples, 1)
-        require_int("num_val_samples", num_val_samples, 1)
-        require_int("batch_size", batch_size, 1)
-        require_int("val_batch_size", val_batch_size, 1)
-        require_int("num_workers", num_workers, 0)
+        check_splits(num_samples, num_val_samples, batch_size, val_batch_size, num_workers)
         _check_mixture(
             num_features, num_classes, clusters_per_class, informative_features, separation, feature_scale_ratio
         )
@@ -250,25 +247,13 @@ class ClassificationDataModule(LightningDataModule):
     @override
     def train_dataloader(self) -> DataLoader[Batch]:
         h = self.hparams
-        return DataLoader(
-            Subset(self._generated(), range(h.num_samples)),
-            batch_size=h.batch_size,
-            shuffle=True,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-            generator=torch.Generator().manual_seed(h.seed),
-        )
+        return split_loader(Subset(self._generated(), range(h.num_samples)), h.batch_size, h.num_workers, h.seed)
 
     @override
     def val_dataloader(self) -> DataLoader[Batch]:
         h = self.hparams
-        return DataLoader(
-            Subset(self._generated(), range(h.num_samples, h.num_samples + h.num_val_samples)),
-            batch_size=h.val_batch_size,
-            shuffle=False,
-            num_workers=h.num_workers,
-            persistent_workers=h.num_workers > 0,
-        )
+        validation = Subset(self._generated(), range(h.num_samples, h.num_samples + h.num_val_samples))
+        return split_loader(validation, h.val_batch_size, h.num_workers, seed=None)
 
 
 class FeatureTransformer(nn.Module):
