@@ -7,38 +7,7 @@ A job's fits run one after another in the same processes (a process's start, imp
 cost about 20 s on a GPU machine). On a machine without a GPU the same checks run on the CPU. The report
 is one table (and JSON), each row also printed and written as its check ends:
 
-* ``exactness <precision>`` (``32-true``, ``16-mixed`` with its GradScaler, ``bf16-mixed``): two ranks on
-  uneven sizes that change every few steps, against one process training the same global batches at the
-  same precision, the largest difference of any parameter; beside it the difference two ranks at an even
-  split make (what the precision's rounding allows). Passes where the uneven split differs by no more than
-  twice the even split's, plus 1e-6.
-* ``timing 1:3``: one rank under ``HeterogeneityEmulator`` at factor 1, then 3, its compute per step as the
-  step clock measures it (CUDA events on a GPU) and, in a run beside it, as ``perf_counter`` measures it:
-  the ratio of the two factors for each clock. Passes where the step clock's ratio is within 10% of 3. On a
-  GPU the row also times the emulator's spin kernel against the seconds it was asked for, and the step is
-  8192 samples (``TIMING_BATCH``): bound by the device's work, not by the host launching kernels.
-* ``pid 1:3``: two ranks, one three times slower, ``DynamixCallback("pid")``: throughput against the ideal
-  (the sum of the ranks' own speeds) over the last intervals, for the step clock and for ``perf_counter``
-  timing. Passes at >= 0.95 for the step clock. Needs a device per rank (NCCL, each rank seeing its own GPU):
-  on one GPU the two ranks would share its time, so it is reported as not run. On a CPU ``timing`` and ``pid``
-  report their figures without a verdict: the emulator sleeps there, and its balance is ``dynamix bench
-  balance``'s to judge.
-* ``memory``: two ranks; rank 1's memory holds fewer samples than a resize gives it (on a GPU a per-process
-  memory fraction set from the bytes its own steps needed, 8192 samples a step; elsewhere
-  ``HeterogeneityEmulator(memory_limits=...)``, 64): the step that ran out of memory trained again split
-  anew, against one process. Passes where a step was recovered and the parameters are as close as the
-  exactness check's.
-* ``mixed``: a GPU rank beside a CPU rank (needs a GPU). With ``process_group_backend="nccl"`` the CPU rank
-  refuses at set-up, naming gloo; with gloo the two train uneven sizes in float64 against one process on the
-  GPU. Passes where the refusal names the way out and the parameters equal one process to 1e-9.
-* ``offload``: the DLRM example's step time with its 26 tables in the trainer (on the GPU, where there is
-  one) against the tables on one embedding server (on the CPU), at staleness 0 and 1: figures, from
-  ``dynamix bench offload`` (a shorter run; that command's page has the whole measurement).
-* ``nvml``: the GPU metrics gathered with every rank's measurements (utilisation, memory, power,
-  temperature) finite; on a CPU they are NaN by design, and the check is reported as not run.
-
-Run with ``--checks`` to choose; ``--budget`` bounds each job's seconds. ``python -m
-lightning_dynamix.bench.device`` runs it without the ``dynamix`` command's other dependencies.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/bench/device.py``.
 """
 
 from __future__ import annotations
@@ -63,9 +32,8 @@ PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 NUM_SAMPLES, FEATURES = 8192, 64
 HIDDEN = {"cpu": 1024, "cuda": 4096}  # steps long enough that a sleep's or a spin's error is small beside them
 # the timing and pid checks' samples a step: on a GPU a step bound by the device's work, not by the CPU launching
-# its kernels (at 64 samples an H100's step is ~2.5 ms of launches around ~0.1 ms of arithmetic, by its operation
-# count: the device idles between kernels, a spin fills those gaps, and a device three times slower would not be
-# three times slower)
+# its kernels (at 64 samples a large GPU's step is mostly launches around little arithmetic: the device idles
+# between kernels, a spin fills those gaps, and a device three times slower would not be; docs/benchmarks/device.md)
 TIMING_BATCH = {"cpu": 64, "cuda": 8192}
 UNEVEN = {0: [10, 54], 4: [40, 24], 8: [22, 42], 12: [51, 13]}  # step -> sizes (64 a step)
 # the memory check: rank 1 trains 2048 then 4096 samples (its steps measure the bytes a sample needs), its
@@ -534,7 +502,7 @@ def _memory_fraction(samples: int, plan: dict[int, list[int]]) -> Any:
             if trainer.global_step == steps[2]:
                 per_sample = max(1.0, (self.peaks[1] - self.peaks[0]) / (second - first))
                 # from the peak of tensors, not what the allocator reserved: cached blocks of earlier steps or runs
-                # would hide the limit (seen on an H100: no step ran out of memory)
+                # would hide the limit (where they do, no step runs out of memory)
                 wanted = self.peaks[1] + (samples - second) * per_sample
                 torch.cuda.empty_cache()
                 fraction = min(1.0, wanted / torch.cuda.get_device_properties(0).total_memory)

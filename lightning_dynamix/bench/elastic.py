@@ -5,29 +5,7 @@ Three torchrun agents on this machine (one node each, ``--nnodes 2:3``, see
 task with a PID-controlled HeterogeneousDDPStrategy, their speeds emulated (default 1:1:3). Three
 scenarios (``--scenarios``) run back to back, each a new job:
 
-* ``never preempted``: the three nodes from start to end;
-* ``PreemptionCheckpoint``: the fastest node gets a SIGTERM (every process of it, as a machine's
-  shutdown sends) at step ``--preempt-at``, torch elastic restarts the two survivors, which resume
-  the checkpoint every rank saved at the notice; when the job reaches step ``--back-at`` the node
-  starts again, torch elastic stops the two (they save again) and restarts three;
-* ``periodic (Lightning's default)``: the same events, with a ModelCheckpoint at Lightning's
-  default cadence (after every validation) instead: each restart resumes the last periodic
-  checkpoint and trains again what came after it;
-* ``per-step (torchft)``: no torch elastic and no restart: one process per node, each a replica of a
-  :class:`~lightning_dynamix.strategies.FaultTolerantStrategy` job meeting at a lighthouse the bench
-  starts, asking for a batch in proportion to its speed (the same global batch). The notice kills the
-  node's process; the survivors train again the step it died in and go on; the node's new process joins
-  with the state of a peer.
-
-``--signal kill`` makes every notice a SIGKILL (a machine lost without notice): nothing can be saved,
-so torch elastic's scenarios go back to the last checkpoint on disk, and its survivors wait for their
-collectives to time out.
-
-Per scenario: the steps trained twice (work lost), the seconds from the notice to training again
-and to being back at the step the notice came at, the seconds from the node's return to training on
-three nodes, the time to the target validation accuracy and to the end (wall clock from the first
-training step, restarts included), and the final accuracy. Global rank 0 of every launch writes the
-events (see :mod:`lightning_dynamix.bench.elastic_worker`).
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/bench/elastic.py``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ hides what a node on a slower link does to each all-reduce. :class:`Hosts` gives
 torchrun agent, an embedding server) a network namespace with one interface, ``eth0``, at an address of
 198.18.0.0/24 (RFC 2544's range for network benchmarks), joined by a veth pair to a bridge in a switch
 namespace of its own. Each host's link gets its rate with ``tc``: a token bucket (``tbf``) on both ends,
-so the rate holds in both directions. The kernel of this project's machines has no ``netem``: a link
-gets a rate, not a delay.
+so the rate holds in both directions. A link gets a rate, not a delay (``netem``, which adds delays, is a
+kernel module that many machines lack).
 
 Nothing leaves the machine: the addresses live only on links inside the namespaces made here, and
 traffic between hosts crosses the bridge, never 127.0.0.1. On exit, also after Ctrl-C or when the

@@ -1,32 +1,6 @@
 """``dynamix bench plan``: a placement plan's predicted throughput against the plan run with LayerOffloadStrategy.
 
-The DLRM example is profiled on this machine: its layers, and what a step of the strategy pays outside
-them (:func:`~lightning_dynamix.strategies.layer_offload.profile_runner`), which the plan's stages include. The
-trainer uses the same intra-op threads when profiled and when it trains: this machine's cores less
-one per server, as the strategy leaves them to the servers it launches. For each number of embedding
-servers, a catalogue describes this machine as two resource types: ``trainer`` (one unit, memory for the dense layers
-only) and ``embedding-server`` (memory for a share of the tables, so the plan rents that many
-servers), both with the loopback bandwidth measured here. The plan puts the tables on the servers
-and the dense layers on the trainer, which is the placement LayerOffloadStrategy runs. It is priced
-by the cost model and then trained with ``LayerOffloadStrategy(offload=plan)`` at the batch size it
-was profiled with. With ``--accelerator gpu`` the trainer is a ``gpu`` type, profiled and trained on
-this machine's GPU, and the servers stay on its CPU. The predictions are set against the measured
-samples/s:
-
-* ``stage after stage``: ``plan.sequential_throughput``, the stages' times added up, which is how
-  the strategy runs a step at staleness 0 (a lookup waits for the previous step's update), against
-  the strategy at staleness 0;
-* ``pipelined``: ``plan.throughput``, its slowest stage's (HeterPS's model: stages overlap), against
-  the strategy at staleness 1, whose lookups, read a batch ahead, need not wait for the servers.
-
-``--no-runner`` plans the layers alone, as the cost model did before it knew the runner.
-
-``--links TRAINER,SERVER`` (Mbit/s; ``0`` or ``-``: no limit) puts the trainer and every embedding server on
-hosts of their own (:class:`~lightning_dynamix.bench.hosts.Hosts`, network namespaces; needs root): the servers
-started as a cluster starts them (``python -m lightning_dynamix.serve``, the strategy with
-``launch_servers=False``), meeting the trainer at its host's address, every lookup and update crossing the
-links. The catalogue then gives each type its host's link rate (the loopback's where unlimited), which the cost
-model charges for the rows a server sends and the gradients it receives.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/bench/plan.py``.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from lightning_dynamix.placement import (
 
 CATALOGUE = Path(__file__).resolve().parents[2] / "examples" / "placement" / "catalogue.yaml"
 SAMPLES = 65536  # the example data's samples per epoch (the cost per hour, which ranks placements, ignores it)
-# within reach of the example catalogue with the runner's terms (about 450,000 samples/s on the 2-core VM)
+# within reach of the example catalogue with the runner's terms on a small machine (docs/benchmarks/placement.md)
 DEFAULT_TARGETS = "50000,100000,200000,300000,400000"
 
 

@@ -1,30 +1,6 @@
 """Emulate a heterogeneous cluster on one machine: make ranks slower by a factor, on a schedule.
 
-:class:`HeterogeneityEmulator` makes rank ``r``'s step take ``factor_r`` times its own compute
-time by sleeping inside the step, just before backward, so the delay counts as that rank's
-compute (it delays its gradient buckets and the other ranks wait for it in the all-reduce, as
-they would for a slower machine). The sleep is ``(factor - 1)`` times the rank's own compute
-for the batch at hand: the forward pass of this very step is timed, and scaled by the ratio of a
-whole step's compute (forward and backward, without the sleep) to its forward pass, the median over
-the last few steps; once a few steps of the same batch size have run, the median of their forward
-passes stands in for this step's. So the emulated slowdown follows a batch-size change from its
-first step, and a single slow step (start-up, a hiccup) is not multiplied.
-
-What it emulates is a slower device for the model's compute (a slower GPU beside faster ones): a
-step in which the rank has no samples (it sits the step out, ``min_batch_size=0``) runs none of
-the model, so it is not slowed; the framework's own work per step (Lightning's loop, the hooks) is
-slowed only as far as it falls between a step's start and its backward. A machine that is slow at
-everything, its host included, runs even an empty step slowly: emulate that with real contention
-(``dynamix bench balance --contention quota``), not with this callback.
-
-Speeds can change at scheduled optimizer steps to emulate a slowdown or a recovery mid-run.
-
-On a GPU the CPU only queues the model's kernels, so a CPU sleep would slow the launches, not the device:
-the device catches up while the host sleeps. There the slowdown is a spin kernel queued on the rank's
-stream (:class:`CudaSpin`: ``torch.cuda._sleep`` for as many cycles as the device runs in the seconds
-wanted, calibrated at set-up), and its length is ``(factor - 1)`` times the rank's own compute at the
-batch size at hand as the step clock's device marks measured it (the median over recent steps, less
-the spin they held). Either way the step clock is told what was added (``StepRecord.slowdown``).
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/callbacks/emulator.py``.
 """
 
 from __future__ import annotations

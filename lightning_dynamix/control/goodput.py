@@ -5,41 +5,7 @@ statistical efficiency, but gives every replica the same local batch. :class:`Go
 keeps the objective and drops that restriction: for each candidate ``B`` it splits the batch so
 that every rank finishes at the same time, which is what makes heterogeneous ranks worth having.
 
-Models, refitted at every decision:
-
-* step time of rank ``i`` at local batch ``b``: ``t_i(b) = alpha_i + beta_i * b`` seconds, a least
-  squares fit over the rank's last ``window`` observations ``(b_i, arrival_i)``, with ``arrival_i =
-  step_time_i - sync_wait_i`` the rank's arrival at the gradient all-reduce as the others see it
-  (:func:`~lightning_dynamix.control.allocation.arrival_time`: data, compute, optimizer step, being
-  descheduled). With a single distinct size among them, or a fit that is not
-  physical (``beta <= 0`` or ``alpha < 0``), the proportional model ``t = beta * b`` through the
-  observations is used instead (``alpha = 0``). When a new observation is more than 25% away from
-  the rank's model's prediction, the rank's speed has changed (throttling, a neighbour): its older
-  observations are dropped.
-* synchronisation: a constant cost per step, ``overhead`` = the median over ranks of ``comm_time``
-  (seconds; ranks with a NaN ``comm_time`` are ignored, 0 if none is known). It is what makes a
-  bigger batch cheaper per sample, together with the ``alpha_i``.
-* the split of ``B``: the common time ``T`` with ``sum_i clip((T - alpha_i) / beta_i, lower_i, upper_i) = B``
-  (in proportion to speed when ``alpha = 0``), rounded by largest remainders to sizes that sum to
-  ``B``; predicted step time ``T(B) = max_i t_i(b_i) + overhead``.
-* statistical efficiency relative to the base batch ``B0``: ``E(B) = (B_noise + B0) / (B_noise + B)``,
-  with ``B_noise = state.gradient_noise_scale`` (samples).
-* goodput ``G(B) = B / T(B) * E(B)`` samples/s of "``B0``-equivalent progress".
-
-``B`` is searched on a geometric grid of ``grid_points`` values between ``min_global_batch`` and
-``max_global_batch`` (plus the current global batch). While the noise scale is unknown (NaN or
-negative: warm-up, a single rank) the global batch is kept and only its split is rebalanced. With
-``min_global_batch == max_global_batch`` that one global batch is split, whether the noise scale is
-known or not, and the controller does not ask for it (``needs_gradient_noise_scale``): measuring it
-costs two reads of the gradients a step, which a slow rank pays slowly.
-Dead band: the best candidate replaces the current sizes only if its predicted goodput beats the
-predicted goodput of the current sizes by more than ``dead_band`` (relative), and by more than
-``noise_gate`` times what the measurements' own noise explains: ``sqrt(sum_i var_i / n_i)``, with
-``var_i`` rank ``i``'s relative scatter about its step model over its ``n_i`` observations
-(:meth:`StepTimes.scatter`; a rank whose past was just forgotten has none yet, and does not hold the
-move). So the sizes do not flap on noise.
-
-The learning rate follows ``lr_scaling`` (AdaScale by default, as in Pollux), relative to ``B0``.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/control/goodput.py``.
 """
 
 from __future__ import annotations

@@ -5,39 +5,7 @@ numerical features, one categorical id per embedding table (26 tables), and a cl
 the workload of the layer-offload strategy, where the embedding tables are what lives on CPU ranks;
 the generator reproduces the properties of Criteo that matter there:
 
-* **Dense features** are heavy-tailed counts. Feature ``j`` of a sample is
-  ``log1p(floor(exp(mu_j + sigma_j * z)))`` with ``z ~ N(0, 1)``, ``mu_j ~ U(0, 3)`` and
-  ``sigma_j ~ U(0.5, 1.5)``: a log-normal count, log-transformed as DLRM does with Criteo.
-* **Categorical ids** follow a power law. In a table of ``n`` rows the ``k``-th most frequent row
-  (``k = 1 .. n``) is drawn with probability proportional to ``k ** -zipf_exponent`` (a Zipf law
-  truncated at ``n``), so a few hot rows take most lookups and most rows are rarely touched; a fixed
-  random permutation per table decides which row ids are the hot ones (row 0 is not always the
-  hottest). Table sizes span small (3 to 10² rows), medium (10³ to 10⁴) and large (10⁵) as in Criteo.
-* **Clicks** come from a hidden DLRM-like "teacher". It holds a weight vector over the standardised
-  dense features, a scalar bias per row of every table, a ``teacher_dim``-dimensional vector per row
-  of every table, and a projection of the dense features to one more such vector. Its logit is the sum
-  of three parts, each scaled to unit standard deviation: the linear dense term, the sum of the rows'
-  biases, and the sum of the dot products of every pair among the ``1 + len(table_sizes)`` vectors
-  (DLRM's pairwise interaction). The sum is scaled so the logit's standard deviation is ``logit_std``
-  and shifted so the average click probability is ``positive_rate``; the label is a Bernoulli draw of
-  ``sigmoid(logit)``. A model can learn this (DLRM has the same form), but never perfectly: labels are
-  random, and the rows of the long tail are seen too rarely to learn their parameters. The teacher's
-  own probabilities (:attr:`SyntheticCTRDataset.click_probabilities`) give the best AUC any model can
-  reach on the samples.
-
-Samples are generated in blocks of :data:`BLOCK_SIZE` consecutive indices, each from its own seed, so
-sample ``i`` depends only on the :class:`CTRSpec` and ``i``: a dataset that starts at index ``start``
-holds the very samples another dataset of the same spec holds at those indices, and splits made of
-disjoint index ranges are disjoint draws from one distribution.
-
-* :class:`CTRSpec`: the shape of the data and the seed of the teacher and the samples.
-* :class:`SyntheticCTRDataset`: ``num_samples`` samples from index ``start``, generated at construction.
-* :class:`CTRDataModule`: disjoint training and validation index ranges of one spec.
-
-A DataLoader reads a batch of the dataset with one index per tensor (``__getitems__``), not one per
-sample; :func:`collate_ctr`, the collate function of the data module's loaders, takes those tensors as
-the batch. Sample by sample, a batch of 512 took 1.2-1.5 ms to read and collate, some 10% of an
-offloaded DLRM step; at once it takes about 0.1 ms.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/data/ctr.py``.
 """
 
 from __future__ import annotations

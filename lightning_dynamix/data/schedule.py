@@ -4,35 +4,7 @@ An :class:`EpochSchedule` is pure arithmetic over sample counts: it knows nothin
 ranks' data or torch. Every rank builds the same schedule from the same inputs, so all ranks
 agree on the number of steps in an epoch and on every rank's batch size at every step.
 
-Step ``k`` takes the next ``sum(b)`` positions of the epoch's global order; rank ``r`` gets
-its slice in rank order. The last step of an epoch is special:
-
-* ``drop_last=False`` (default): nothing is lost. While at least ``sum(b) + reserve`` samples
-  remain, a step takes exactly ``b``. The step that would leave fewer than ``reserve`` samples
-  behind is the last one and takes everything that is left, ``R``. ``reserve`` is the world size,
-  or, in a job resumed on other ranks, the larger of the world size and the world size the job
-  started with (``cut_world_size``), so that a job resumed on fewer ranks cuts its epochs where
-  the uninterrupted job would have; times ``least_batch_size`` for a model that needs more than one
-  sample on every rank that trains (BatchNorm: 2):
-
-  - ``R >= sum(b)`` (fewer than ``reserve`` extra samples): every rank gets ``b_r`` and the
-    ``R - sum(b)`` extra samples go one each to the ranks with the largest batch sizes (ties to
-    the lower rank), round after round when there are more extra samples than ranks. No rank
-    gets more than one sample above its size unless the job runs on fewer ranks than it started with.
-  - ``reserve <= R < sum(b)`` (a short tail): every rank gets ``least_batch_size`` samples (one
-    by default) and the rest is split in proportion to ``b_r - least_batch_size`` by largest
-    remainders. No rank gets more than ``b_r``.
-
-  So every rank that trains gets at least ``least_batch_size`` samples at every step and every sample
-  is used exactly once.
-  A rank whose size is 0 (it sits out, see ``min_batch_size=0``) keeps 0 in the final step as
-  well: the extra samples go to the ranks that train, so one of them may get more than one
-  sample above its size.
-* ``drop_last=True``: only full steps; the fewer than ``sum(b)`` samples left at the end of an
-  epoch are skipped in that epoch.
-
-A schedule may also begin part-way through an epoch (:meth:`EpochSchedule.regrouped`): the steps
-already trained keep their positions, the rest of the epoch is split over another number of ranks.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/data/schedule.py``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """A built-in classification workload for time-to-accuracy measurements: nothing is downloaded.
 
-The data is a Gaussian mixture with several clusters per class, hidden in a low-dimensional
-subspace of the features and randomly rotated, so it is not linearly separable: a multi-layer
-perceptron has to carve out every cluster. The features have standard deviations spread over two
-orders of magnitude, as unnormalised real data often do, so plain SGD needs many steps to learn
-the small-scale directions while the large-scale ones cap the learning rate: accuracy climbs over
-several epochs, at a rate that visibly depends on the batch size and the learning rate.
-Clusters of different classes overlap, so even the best possible classifier errs:
-:attr:`GaussianMixtureClassificationDataset.bayes_accuracy` is how often it is right on the very
-samples generated, the ceiling any model can reach.
-
-* :class:`GaussianMixtureClassificationDataset`: the samples, generated from a seed.
-* :class:`ClassificationDataModule`: disjoint training and validation splits of one generated set.
-* :class:`ClassificationTask`: an MLP classifier (or, with ``architecture="transformer"``, a small
-  transformer encoder over groups of features) that logs ``train_loss``, ``val_loss`` and ``val_acc``.
-
-The defaults are calibrated for ``dynamix demo`` and ``dynamix bench tta`` on CPU, one thread per
-process. The Bayes-optimal accuracy on the validation split is about 0.98; the MLP (two hidden
-layers of 768) levels off near 0.90, limited by the 16384 training samples. At a global batch of
-128 samples and ``lr=0.05`` (SGD, momentum 0.9) it passes :data:`DEFAULT_TARGET_ACCURACY` (0.85)
-after about 7-8 epochs (900-1000 steps; about 25 s for two gloo processes of 64 samples each).
-Batch and learning rate trade off linearly (``lr=0.1`` at 256 and ``0.2`` at 512 need about as many
-epochs), while a larger batch at the same learning rate needs more epochs, and ``lr=0.4`` at 128
-is too large (it levels off near 0.87). Forward and backward pass of one batch of 64 samples take
-about 5 ms on one CPU thread.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/data/workloads.py``.
 """
 
 from __future__ import annotations

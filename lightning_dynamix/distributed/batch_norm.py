@@ -3,28 +3,7 @@
 A BatchNorm layer in training mode normalises with the mean and variance of the batch it is given.
 Under data parallelism that is the rank's own batch, so with uneven per-rank batches
 
-* a rank given a single sample fails: ``Expected more than 1 value per channel when training``
-  (a ``BatchNorm1d``), or normalises with the statistics of one sample (more dimensions): a model
-  with such a layer needs at least 2 samples on every rank that trains (:func:`least_batch_size`);
-* a rank of 4 samples normalises with the statistics of 4 and a rank of 60 with those of 60: the
-  job trains another model than one process on the global batch of 64, whatever the gradients'
-  weights, and every rank's running statistics differ.
-
-:class:`GlobalBatchNorm` normalises every rank's batch with the statistics of the *global* batch:
-each rank's count, mean and sum of squared deviations are gathered (one ``all_gather`` over the
-ranks that train the step) and combined exactly, and the backward pass all-reduces the two sums
-the input's gradient needs (``sum(dy)`` and ``sum(dy * x_hat)``, one ``all_reduce``). Its output,
-its gradients and its running statistics are what one process computes on the concatenated global
-batch, for any split of it, on CPU (gloo) as on GPU (NCCL). The running statistics are updated
-alike on every rank that trains, with the global count's unbiased variance as torch does.
-
-Ranks that sit a step out (0 samples) run no forward pass: the others use the group of the ranks
-that train (:func:`statistics_group`, set by the strategy for every step), and a rank that sat out
-receives the running statistics before it trains again (the strategy broadcasts the training state).
-
-:func:`convert_batch_norm` and :func:`revert_batch_norm` swap a model's BatchNorm layers (of any
-dimension, torch's ``SyncBatchNorm`` included) for :class:`GlobalBatchNorm` and back, keeping their
-parameters and statistics.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/distributed/batch_norm.py``.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def weighted_allreduce_hook(
     if group.size() == 1:
         # alone (a job of one, or the one rank that trains while the others sit the step out): the sum is
         # the bucket itself, and its gradient is the global one, so nothing for the noise scale either;
-        # gloo's all-reduce over one rank would still cost some 80 us a bucket
+        # gloo's all-reduce over one rank would still cost time a bucket
         if clock is not None:
             clock.bucket_done(clock.bucket_ready(tensor.numel() * tensor.element_size()))
         alone: torch.futures.Future[torch.Tensor] = torch.futures.Future()

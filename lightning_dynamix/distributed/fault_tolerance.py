@@ -6,44 +6,7 @@ quorum through a *lighthouse*, the process group is rebuilt over the quorum's me
 a step in which any member failed is not committed (no optimizer step anywhere), and a replica that
 joins receives the model, optimizer and data position from a peer over the network (no file).
 
-:class:`FaultTolerantReplica` is one replica (one process here) of such a job, with a batch size of its
-own. Every step:
-
-1. :meth:`~FaultTolerantReplica.begin_step` waits for the quorum and agrees with the other participants
-   on the step's sizes: the global batch ``B`` (fixed, ``global_batch_size``) split over the
-   participants in proportion to the sizes each asks for (a controller's decision, a probe size for a
-   replica that just joined). One all-reduce of one number per participant carries the requests, so
-   every participant computes the same split. The step's global batch is the next ``B`` positions of
-   the epoch's order (:class:`~lightning_dynamix.data.sampler.EpochPermutation`, seeded like
-   :class:`~lightning_dynamix.data.sampler.HeterogeneousBatchSampler`), from the epoch's *committed*
-   cursor, and participant ``p`` takes its slice in participant order.
-2. The caller trains on :attr:`StepPlan.indices` and calls :meth:`~FaultTolerantReplica.sync_gradients`:
-   each participant's gradient (the mean over its own ``b_p`` samples) is weighted by ``b_p / B`` and
-   summed, so the result is exactly the mean gradient over the step's global batch, whoever took part.
-3. :meth:`~FaultTolerantReplica.commit` asks torchft whether the step may be committed. Only then does
-   the caller step its optimizer, and the cursor moves past the step's ``B`` samples. A step that is not
-   committed (a participant died, the group was being rebuilt) leaves the cursor where it was, so the
-   same global batch is trained again by the members of the next quorum: every sample is trained
-   exactly once per epoch, and the committed steps equal one process trained on the same global batches.
-
-The epoch's last step follows the rule of :mod:`lightning_dynamix.data.schedule`: a step that would
-leave fewer samples than one per participant takes all that remain.
-
-With a :class:`~lightning_dynamix.decisions.ReplicaBalancer` the sizes each replica asks for come from a controller
-(pid, goodput, ppo: ``DynamixCallback``'s). The step's all-reduce also carries every participant's machine (a
-hash of its ``replica_id``) and its own time per step (from its plan to its gradients, committed steps at one
-size), so every participant holds the same :class:`~lightning_dynamix.metrics.ClusterState` every ``interval``
-committed steps. Each runs the same controller on it (a replica that joins receives the controller's state
-with the model), keyed by machine: a machine that stays keeps what was learnt about it. Each then asks for its
-own entry of the decision, and the step's sizes are always the split of the global batch in proportion to what
-the step's participants ask: every participant computes the same sizes from the same all-reduced numbers, even
-were two controllers to disagree in a last bit. When a replica leaves, the next step splits the global batch
-over the others in proportion to their decided sizes (at once, no decision needed); a replica that joins asks
-for a probe, a quarter of the others' mean, until the next decision has measured it.
-
-torchft is an optional dependency (``pip install lightning-dynamix[ft]``); this module imports it only
-when a :class:`Lighthouse` or :class:`FaultTolerantReplica` is built. A lighthouse for a job:
-``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind [::]:29510``.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/distributed/fault_tolerance.py``.
 """
 
 from __future__ import annotations

@@ -1,41 +1,6 @@
 """Per-rank batch sizes and exact uneven gradients under Hugging Face Accelerate (``accelerate launch``, ``torchrun``).
 
-:class:`DynamixAccelerate` sits beside an ``Accelerator``: its :meth:`~DynamixAccelerate.prepare`
-passes everything to ``accelerator.prepare`` except the training DataLoader, which it rebuilds
-around a :class:`~lightning_dynamix.data.HeterogeneousBatchSampler` (rank ``r`` trains on ``b_r``
-samples per step, every rank runs the same number of steps, every sample is used once per
-epoch), and it registers the weighted all-reduce hook on the prepared DDP model (Accelerate has no
-option for a custom hook). :meth:`~DynamixAccelerate.backward` replaces ``accelerator.backward``:
-it weights this rank's gradient by ``b_r / sum(b)`` (a scalar on the loss's gradient, no extra
-pass over the parameters), so the all-reduced gradient is exactly the mean over the global
-batch, as one process training on all ``sum(b)`` samples would compute.
-
-With a ``controller`` it also runs the decision loop of ``DynamixCallback``: every rank's steps
-are timed (data, own compute, all-reduce wait and bandwidth, system, loss, optionally the gradient
-noise scale); every ``interval`` optimizer steps (:meth:`~DynamixAccelerate.step`, called after
-``optimizer.step()``) the ranks gather one ``ClusterState``, rank 0 decides with the controller,
-every rank applies the decision from the same step, and the ``dynamix/...`` metrics go to
-Accelerate's trackers. Its state (sizes, position in the data, controller, learning-rate scale)
-is registered with ``accelerator.register_for_checkpointing``, so ``save_state``/``load_state``
-resume exactly.
-
-```python
-accelerator = Accelerator()
-dynamix = DynamixAccelerate(accelerator, batch_sizes=[48, 16])
-model, optimizer, loader = dynamix.prepare(model, optimizer, DataLoader(dataset, batch_size=32, shuffle=True))
-for epoch in range(epochs):
-    for x, y in loader:
-        loss = F.cross_entropy(model(x), y)
-        dynamix.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        dynamix.step(loss)  # measures; every `interval` steps decides (with a controller)
-```
-
-With ``min_batch_size=0`` a rank can be given 0 samples: its loader hands out an
-:class:`~lightning_dynamix.data.EmptyBatch` and the loop back-propagates :meth:`~DynamixAccelerate.zero_loss`
-instead of a forward pass (``loss = dynamix.zero_loss() if dynamix.sits_out else ...``): the rank joins the
-all-reduce with a zero gradient of weight 0, and every rank takes the same optimizer step.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/integrations/accelerate.py``.
 """
 
 from __future__ import annotations

@@ -1,43 +1,7 @@
 """Per-step fault tolerance (torchft) for a Hugging Face Accelerate loop: machines fail, leave and join while the
 others keep training.
 
-:class:`FaultTolerantAccelerate` sits beside an ``Accelerator`` of one process, one on every machine: each
-process is a replica of the job (:mod:`lightning_dynamix.distributed.fault_tolerance`). Its
-:meth:`~FaultTolerantAccelerate.prepare` passes the model, optimizer and schedulers to ``accelerator.prepare``
-(device placement, bf16 autocast) and keeps the training dataset, whose batches
-:meth:`~FaultTolerantAccelerate.batches` plans step by step from each step's quorum.
-:meth:`~FaultTolerantAccelerate.backward` back-propagates through ``accelerator.backward``, sums the weighted
-gradients over the step's participants and says whether the step was committed: step the optimizer only then.
-A step that was not (a participant died) is planned again, as the next batch, for the next quorum's members. A
-replica that joins receives the model's, optimizers' and schedulers' state (and what
-:meth:`~FaultTolerantAccelerate.register` adds) from a peer, with the job's position, and iterates from the
-job's step.
-
-```python
-accelerator = Accelerator()  # accelerate launch --num_processes 1 (or python): one process, one replica
-dynamix = FaultTolerantAccelerate(accelerator, global_batch_size=48, lighthouse="http://10.0.0.1:29510")
-model, optimizer = dynamix.prepare(model, optimizer, train_dataset=dataset)
-for x, y in dynamix.batches(max_steps=500):
-    loss = F.cross_entropy(model(x), y)
-    if dynamix.backward(loss):
-        optimizer.step()
-    optimizer.zero_grad()
-dynamix.close()
-```
-
-With a ``controller`` (``"pid"``, ``"goodput"``, ``"ppo"``, as ``DynamixAccelerate``'s) the replicas' sizes follow
-its decisions (:class:`~lightning_dynamix.decisions.ReplicaBalancer`), timed on the device.
-
-Why not ``DynamixAccelerate`` itself: it is built on one process group over all ranks of a launch (its weighted
-DDP hook, its resized DataLoader and its gathers). torchft replaces that group by one whose members change at
-every quorum, outside DDP, and needs every step planned only once its quorum is known. What is refused, at
-construction, and why:
-
-* more than one process per replica (``num_processes > 1``): a replica of several processes (a machine's GPUs)
-  needs torchft's replica groups, which this package does not build yet;
-* ``mixed_precision="fp16"``: each replica's GradScaler keeps a scale of its own, so the summed gradients would mix
-  scales and one replica could skip a step the others take; use ``"bf16"`` (no scaler) or ``"no"``;
-* gradient accumulation: raise ``global_batch_size`` instead.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/integrations/fault_tolerant_accelerate.py``.
 """
 
 from __future__ import annotations

@@ -6,29 +6,7 @@ gradient and G the true (full-data) gradient. Below B_noise a larger batch buys 
 progress per step; above it the extra samples mostly average noise away. Goodput controllers
 (Pollux / AdaptDL) turn it into a statistical efficiency (B_noise + B0) / (B_noise + B).
 
-How it is estimated, for free, from what data-parallel training already computes: at a step that
-synchronises gradients, rank r holds its local mean gradient g_r over b_r samples (its squared norm
-is read before the all-reduce), and after the all-reduce every rank holds the global mean gradient
-G_B over B = Σ b_r samples. For mean gradients over independent samples
-
-    E|g_r|² = |G|² + tr(Σ) / b_r,        E|G_B|² = |G|² + tr(Σ) / B,
-
-so squared norm is linear in 1 / batch size, with slope tr(Σ) and intercept |G|². Pooling every
-rank and every step of an interval:
-
-    tr(Σ) ≈ Σ (|g_r|² - |G_B|²) / Σ (1/b_r - 1/B),        |G|² ≈ mean(|G_B|²) - tr(Σ) · mean(1/B).
-
-Each pair (rank, step) is one point of that line at abscissa 1/b_r, next to the global point at
-1/B. With equal batches every rank adds a point at the same abscissa; uneven batches (what this
-project produces) spread the points over more distinct 1/b_r, and the small ranks lie far from
-1/B, so the slope, and with it B_noise, is better conditioned. One rank alone (b_r = B) carries no
-information about the slope, and the interval is then unestimable.
-
-Smoothing: as AdaptDL does, tr(Σ) and |G|² (each in squared gradient units: tr(Σ) per sample) are
-averaged over intervals with a bias-corrected exponential moving average, and B_noise is the
-ratio of the two averages. The interval estimates enter the averages unclamped (clamping them
-first would bias the averages upwards); only the final ratio handles signs, see
-:attr:`GradientNoiseScale.noise_scale`.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/metrics/noise_scale.py``.
 """
 
 from __future__ import annotations

@@ -6,32 +6,7 @@ bucket is ready and when its all-reduce completes), the strategy's backward (whe
 after DDP has waited for every all-reduce) and the end of the batch. From them it derives, per
 step, in seconds:
 
-* ``data_time``: waiting for the DataLoader;
-* ``compute_time``: from the batch being handed over to the last gradient bucket being ready,
-  the rank's own forward and backward without any wait for other ranks (to the end of backward
-  on steps that do not synchronise), less the time spent in blocking collectives inside the step
-  before that point (:meth:`StepClock.collective`: a value logged with ``sync_dist=True`` from
-  ``training_step`` waits there for the slowest rank);
-* ``sync_wait``: from the last bucket being ready to the end of backward, plus those collectives;
-* ``step_time``: from asking for the batch to the end of the step;
-* ``comm_time`` and ``comm_bytes``: time with at least one all-reduce in flight, and the bytes
-  all-reduced;
-* ``least_sync_wait``: the least ``sync_wait`` of any step in an interval: the bare transfer of
-  the last gradient bucket at a step where no other rank was late (or frozen by its CPU quota);
-* ``cpu_time``: CPU seconds used over ``step_time``, on the counter a CPU quota is charged from
-  where the rank has one (:class:`~lightning_dynamix.metrics.system.CpuQuota`: the cgroup's), else
-  the process's own (all its threads, the backend's included).
-
-Steps are summed into an interval (:meth:`StepClock.summary`) at the rank's current batch size:
-a step trained at another size (one prefetched before a resize) starts the interval afresh, so
-times and sizes always belong together; an epoch's final step, whose sizes the dataset's remainder
-decides, is left out of the interval altogether. Recording costs a few timestamps per step and bucket (and
-one CPU-time reading per step) and needs no collective.
-
-Every timestamp comes from the clock's time source (:mod:`lightning_dynamix.metrics.clocks`): the host's
-``perf_counter`` on a CPU rank; on a GPU, CUDA events on the rank's stream, so that each time above is the
-device's (when the stream reached the batch, the bucket's gradients, the all-reduce's completion, the end of
-backward), not when the CPU queued the kernels. Device marks are read once the device has passed them.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/metrics/timers.py``.
 """
 
 from __future__ import annotations

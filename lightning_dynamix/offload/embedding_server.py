@@ -9,29 +9,7 @@ table. The weights are those of the dense gradients' all-reduce: ``1 / trainers`
 with per-rank batch sizes, the correction of a synchronisation window whose sizes changed (the
 trainer's share of the global batch is already in its gradients).
 
-``staleness`` bounds how old the rows a lookup sees may be, as in PERSIA, and makes it exact, so
-a run is reproducible: a lookup for step ``k`` sees the table after update ``k - 1 - staleness``
-and no later one. With ``staleness=0`` training is synchronous: equal to one process. With
-``staleness=1`` a lookup for step ``k + 1`` needs only update ``k - 1``, so it is answered while
-update ``k`` is still on its way: the update overlaps the trainers' next step instead of delaying it.
-
-A trainer's pushes may reach the server out of order (they are sent without waiting, and the transport's
-threads take them in any order): each is kept until the trainer's earlier ones have come, up to
-:data:`PUSH_REORDER_WINDOW` steps ahead, so updates are applied in step order whatever the arrival order.
-
-An error in the step protocol (a push, lookup or flush the server refuses) fails the server: the request
-that raised it, every answer waiting and every later request end with the error, so every trainer stops
-with it at its next request, none waits for an update that will not come.
-
-An update is applied as soon as every trainer has pushed it. A lookup that asks for an older
-version of the table (staleness 1 and up, or a trainer that looks up a step ahead) is answered from
-the current rows with the updates since rolled back: each update keeps the values it overwrote,
-for as long as a lookup may still ask for the table before it (``staleness + 1`` updates at most).
-
-:class:`EmbeddingServer` is the state and the protocol, thread-safe and free of any transport: the
-functions at the bottom expose the one instance of a server process to ``torch.distributed.rpc``
-(see :mod:`lightning_dynamix.serve`). Answers that must wait are ``torch.futures.Future``, so no
-RPC thread blocks while a lookup waits for an update.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/offload/embedding_server.py``.
 """
 
 from __future__ import annotations
@@ -404,8 +382,7 @@ def rpc_options(address: str, timeout_s: float) -> torch.distributed.rpc.TensorP
     """The RPC options every member of a job uses: one rendezvous address, one timeout (seconds), which
     also bounds the wait for the other members to join."""
     # TCP transport and the basic channel only: TensorPipe's shared-memory transport busy-polls, and
-    # on a machine with few cores that polling starves the training (measured on 2 cores: 65 ms per
-    # push with 1 server, against 2 ms over TCP)
+    # on a machine with few cores that polling starves the training (docs/internals.md)
     return torch.distributed.rpc.TensorPipeRpcBackendOptions(
         init_method=f"{_RENDEZVOUS_SCHEME}://{address}?timeout={timeout_s}",
         rpc_timeout=timeout_s,

@@ -4,54 +4,7 @@ A placement gives every layer of a chain a resource type. Consecutive layers on 
 *stage*; stages run as a pipeline, each data-parallel over its own units. For a stage of layers
 ``i..j`` on type ``k``:
 
-* one unit spends, per sample, the layers' profiled seconds on ``k``'s device divided by ``k``'s
-  relative speed for their kind, plus the transfer of the activations that cross its boundaries,
-  forward and their gradients backward (``2 * bytes / link_bandwidth`` per boundary);
-* ``u`` units give ``u / seconds_per_sample`` samples/s (ideal data parallelism), and the stage gets
-  the fewest units that meet the target and hold its parameters: dense parameters are replicated on
-  every unit, sparse ones (embedding tables) sharded over them, each held ``parameter_copies`` times
-  (weights, gradients, optimiser state);
-* the pipeline's throughput is its slowest stage's; a placement is feasible when every stage meets
-  the target within its type's memory and the units of each type, summed over its stages, are
-  available.
-
-Its cost is the units' price per hour, and for ``training_samples`` samples that price over the
-hours they take at the target throughput (a pipeline provisioned for a target runs at it).
-
-Where the profile holds the runner's terms (:class:`~lightning_dynamix.placement.RunnerProfile`,
-what a step of :class:`~lightning_dynamix.strategies.LayerOffloadStrategy` pays outside the layers),
-they are charged where the strategy pays them:
-
-* a stage of dense layers, or any stage on a GPU type (the strategy serves tables from CPU
-  processes only: tables on a GPU stay in its trainer), whose units are trainers, pays per step the
-  runner's fixed terms
-  (Lightning's loop and a lookup and push round trip, reading the batch, the dense optimiser) and
-  the work of the whole pass that no layer accounts for, over the batch size. Every such stage pays
-  them: a pipeline stage runs a loop of its own, so cutting the dense layers into more stages costs
-  more, not less;
-* a table on a CPU type, which the strategy puts on an embedding server, pays per sample its rows
-  per batch times the runner's seconds per row: the server's (its lookup and update, over the type's
-  speed) and the trainer's (routing, assembly, the gradients' split), charged to the table's stage;
-  and the rows' transfer over the server's link: each distinct row goes out, its gradient comes back,
-  with its id both ways (``row_bytes``: the table's output per sample, one row for a table looked up
-  once a sample). A link carries both ways at once, so a pipeline pays the busier way,
-  ``rows * (row_bytes + 16) / link_bandwidth``; a step run stage after stage waits for the rows, then
-  for their gradients, and pays ``rows * row_bytes / link_bandwidth`` more
-  (:attr:`Stage.serial_seconds_per_sample`). The runner's seconds per row were
-  measured over the profiling machine's loopback, so they already hold that link's share, a few
-  microseconds a row at GB/s. The rows are charged to the server's link only: such a stage pays no
-  transfer of activations at its boundaries, and a trainer on a slower link than its servers' is not
-  modelled;
-* such a stage's units are servers, each holding a share of every one of its tables: every server
-  adds its round trip and its work per table to the step whatever its share of the rows (the
-  runner's ``request_seconds``, taken out of the fixed terms for the empty step's one server; of it,
-  the server's own work on its tables, ``server_table_seconds``, over the type's speed). With ``u``
-  units the stage's seconds per sample are ``u * request + seconds / u``, not ``seconds / u``; it gets
-  the fewest units that meet the target.
-
-The plan's stages then add up to a step of the strategy: at ``staleness=0`` a step waits for its
-lookup, so :attr:`PlacementPlan.sequential_throughput` is its forecast, and
-:attr:`PlacementPlan.runner` keeps the terms.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/placement/cost.py``.
 """
 
 from __future__ import annotations

@@ -4,35 +4,7 @@ Observation: :meth:`ClusterState.observation` of the simulated job (the very enc
 callback produces), rank rows padded to ``max_world_size`` with a mask of the real ranks
 (:func:`~lightning_dynamix.control.ppo.network.padded_observation`).
 
-Action: ``1 + max_world_size`` indices into :data:`~lightning_dynamix.control.ppo.network.ADJUSTMENTS`
-(-25%, -10%, keep, +10%, +25%): the job's, which scales the global batch, then one per rank, which
-moves that rank's size (:func:`~lightning_dynamix.control.ppo.network.apply_adjustments`). They apply to the
-sizes the balancer proposes (:func:`~lightning_dynamix.control.ppo.network.balancer`: the PID controller,
-which equalises the ranks' own step times at the current global batch), clamped to the scenario's
-bounds; entries for padding ranks are ignored. Keeping everything is the PID controller.
-
-Reward: time to the target accuracy, handed out interval by interval. With ``R`` the progress the
-run still needs to reach its target accuracy (ideal small-batch samples, at its current accuracy
-ceiling: :attr:`ClusterSimulator.progress_to_target`), the reward of an interval is (documented in
-docs/controllers/ppo.md)::
-
-    (R_before - R_after) / p0  -  elapsed / t0
-    - oscillation * mean over ranks of |log2 change| where a rank's change reverses its previous one
-    - memory * fraction of ranks given more samples than fit in their memory
-
-``p0`` and ``t0`` are the progress and the time of one interval of a perfectly balanced job at
-the start (initial sizes, starting speeds and noise scale), so the first two terms are intervals
-of progress made less intervals of time spent, both in that reference job's units. The episode
-ends when the target is reached, so over an episode they add up to
-``R_start / p0 - (time to target) / t0``: maximising the return is
-minimising the time to the target accuracy, exactly, and each interval is credited with its part
-of it at once (``-R / p0`` is a potential; Ng et al., 1999). A batch that lowers the accuracy
-ceiling raises ``R`` by the progress it will cost, so the generalisation cost of large batches is
-priced in time, not by a hand-set weight. ``R`` is capped at ``REMAINING_CAP`` times the
-scenario's ``convergence_samples`` (a ceiling at or below the target would make it infinite).
-Episodes that do not reach the target are truncated after ``episode_intervals`` decisions.
-The penalties' weights (:class:`RewardWeights`) and the oscillation term are shared with the reward a
-real job measures when it fine-tunes (:mod:`lightning_dynamix.control.ppo.reward`), which owns them.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/rl/env.py``.
 """
 
 from __future__ import annotations

@@ -5,40 +5,7 @@
 :class:`~lightning_dynamix.metrics.ClusterState` a real job's callback would gather, so the same
 controllers and policies run on both.
 
-The model, per training step ``k`` of an interval (``n`` ranks, rank ``r`` at batch ``b_r``):
-
-* speed: rank ``r`` runs at ``m_r(t)`` times its nominal speed. ``log m_r`` drifts as a mean-reverting
-  random walk in wall-clock time, and sudden slowdowns (another tenant, throttling, a spot
-  neighbour) start at random times, divide the speed by a factor and end at random times. The speed
-  trajectory depends only on the scenario, the seed and wall-clock time, never on the decisions, so
-  controllers compared on one seed meet the same cluster.
-* compute: ``(step_overhead_r + compute_per_sample_r * b_r) / m_r(t)`` seconds, times a log-normal
-  jitter per step.
-* data loading: ``data_per_sample_r * b_r`` seconds per batch, prefetched while the previous step
-  computes, so the rank waits ``max(0, load - compute)``.
-* all-reduce: ring all-reduce of ``gradient_bytes``, ``2 (n-1)/n * bytes / bandwidth + 2 (n-1) * latency``
-  seconds, ``bandwidth`` the slowest of the fabric's and every rank's own host link (``link_bandwidth``: a
-  node in another zone, a spot node on a slower link; a ring runs at its slowest hop). A link slows at
-  random times (``link_change_rate``: another job's traffic, a move to a busier path) by a factor and
-  recovers; like the speeds, the links' trajectory depends only on the scenario, the seed and wall-clock
-  time. The fraction ``overlap`` of it hides behind the backward pass, the rest is exposed after
-  the slowest rank's last bucket. Every rank's ``sync_wait`` is the wait for the slowest rank plus the
-  exposed transfer; ``step_time`` is the same on every rank.
-* memory: a rank given more than ``memory_limit_r`` samples runs out of memory; the simulator
-  counts it, loses that step's time and runs the rank at its limit (what a job that catches the
-  error and retries smaller would do).
-* training progress (McCandlish et al., 2018): a step at global batch ``B`` with noise scale
-  ``B_noise`` is worth ``B * B_noise / (B_noise + B)`` samples of ideal small-batch progress; the
-  loss falls as ``L = L_end + (L_start - L_end) * exp(-P / convergence_samples)`` with the progress
-  ``P``; ``B_noise`` grows from ``noise_scale_start`` to ``noise_scale_end`` as the loss falls
-  (geometrically in the fraction of the loss already gone).
-* accuracy: ``ceiling * (L_start - L) / (L_start - L_end)``; the ceiling is ``best_accuracy`` less
-  ``generalization_gap`` per doubling of the global batch beyond ``B_noise``, averaged over the
-  progress made (large batches train to flatter-is-better minima less well: batch size changes
-  the final accuracy, not only the time to it).
-
-Measurements carry the noise real ones do: per-step jitter, a noisy gradient-noise-scale estimate
-and a noisy loss.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/rl/simulator.py``.
 """
 
 from __future__ import annotations

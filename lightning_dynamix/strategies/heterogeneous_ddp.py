@@ -2,46 +2,7 @@
 
 :class:`HeterogeneousDDPStrategy` is Lightning's ``DDPStrategy`` plus three things:
 
-* the training DataLoader is rebuilt around a
-  :class:`~lightning_dynamix.data.HeterogeneousBatchSampler` (same dataset, collate function,
-  workers and pinning), so ranks take different batch sizes from one global schedule and always
-  agree on the number of steps;
-* every rank's gradient is weighted by its share of the global batch (a scalar on the loss's
-  gradient) and a weighted all-reduce communication hook, registered on every device type
-  (CPU/gloo included), sums them: the synchronised gradient is exactly the mean over the global
-  batch, with gradient accumulation counting every sample since the last synchronisation;
-* :meth:`~HeterogeneousDDPStrategy.set_batch_sizes` changes the sizes from an agreed step on all
-  ranks, which callbacks use to rebalance a heterogeneous cluster.
-
-With ``min_batch_size=0`` a rank can be given 0 samples: it *sits the step out*. It stays in the
-process group, but ``training_step`` is not called on it: its loader hands out an
-:class:`~lightning_dynamix.data.EmptyBatch`. Where one step is one synchronisation and DDP makes no
-collective of its own, it skips the step altogether: the others all-reduce among themselves, and it
-receives their parameters and optimizer state (it fell behind) before it trains again, before
-validation, with every checkpoint and at the end of training. Elsewhere the strategy back-propagates a
-loss of 0 through the DDP wrapper instead (a zero gradient, weight 0), so the step costs it neither the
-model's forward nor its backward pass, and the optimizer step is the same on every rank. This needs
-automatic optimisation. Values logged with ``sync_dist=True`` from ``training_step`` are averaged over the ranks
-that train the step; a rank that sits out logs nothing for it (Lightning's loggers write rank 0's
-values, so while rank 0 sits out its ``training_step`` metrics are not written), and an
-epoch-level aggregate with ``sync_dist=True`` needs every rank to have logged it at least once in
-the epoch.
-
-Scalars logged with ``self.log(..., sync_dist=True)`` from ``training_step`` are averaged over
-ranks weighted by each rank's batch size; epoch aggregates are weighted by Lightning itself.
-
-A model with BatchNorm (of any dimension) needs at least 2 samples on every rank that trains: at set-up the
-strategy finds such layers and raises its smallest size to what they need (with ``min_batch_size=0``, the
-smallest size of a rank that trains; it may still sit out), and refuses an explicit smaller
-``min_batch_size`` or ``batch_sizes``. With ``Trainer(sync_batchnorm=True)`` every BatchNorm layer becomes a
-:class:`~lightning_dynamix.distributed.batch_norm.GlobalBatchNorm`: its statistics are those of the whole
-global batch, whatever the split (torch's ``SyncBatchNorm`` needs GPUs and the same ranks at every step), so the
-job trains the model one process trains on the global batch, and a rank may train a single sample again.
-
-For the callbacks that measure the cluster, the strategy can time every step
-(:meth:`~HeterogeneousDDPStrategy.enable_step_clock`) and report the squared gradient norms of
-each synchronisation (:meth:`~HeterogeneousDDPStrategy.enable_gradient_norms`); both are off
-unless asked for, and neither adds a collective.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/strategies/heterogeneous_ddp.py``.
 """
 
 from __future__ import annotations

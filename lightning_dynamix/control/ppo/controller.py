@@ -1,37 +1,6 @@
 """DYNAMIX: a learned policy decides every rank's batch size from the cluster's signals.
 
-:class:`PPOController` runs a policy trained with PPO in the cluster simulator
-(:mod:`lightning_dynamix.rl`): at each decision it encodes the :class:`ClusterState` with
-:meth:`ClusterState.observation` (the encoding the policy was trained on), the rank-shared network
-scores the job and each rank: the balancer (the PID controller, which equalises the ranks' own
-step times at the current global batch) proposes sizes, the job's adjustment (-25%, -10%, keep,
-+10%, +25%) scales the global batch and each rank's adjustment moves that rank, within the
-bounds. The policy chooses the global batch from the gradient noise scale and the throughput,
-trading throughput against statistical efficiency like Pollux, and moves ranks away from the
-balanced split where its training found that pays, without a model of the system.
-
-Safe fallbacks, so a policy never crashes a training run: a state with more ranks than the policy
-was trained for, or an observation that is not finite, keeps the current sizes (with one warning).
-
-Confidence fallback, so a policy never loses to its own balancer on a real job: how a global batch
-is split between ranks changes only the step time (never what a step learns), and the balancer
-measures each rank's step (a fixed and a per-sample cost, once each rank ran at two sizes 10%
-apart). Where the policy's per-rank adjustments would make the slowest rank's step more than
-``fallback_tolerance`` (default 0) longer than the balancer's own split of the same global batch,
-by that measured model, the balancer's split is used instead; before the model is measured the
-policy's split cannot be judged, and the balancer's proposal, scaled to the policy's global batch,
-is used. The policy's choice of global batch always stays. A policy trained in a simulator that
-real machines do not match then costs nothing: with the default its split stands only where the
-measured model predicts it no slower than the balancer's (the model's optimum, so in practice
-where they agree), and the policy's own contribution is the global batch.
-:attr:`PPOController.fallbacks` counts the decisions where the policy's split was replaced.
-
-Noise gate, so that a split at balance stays put on a shared machine: a decision that keeps the global
-batch and only moves samples between ranks is made only where its predicted gain, ``1 - T(new) /
-T(current)`` by the balancer's measured step models, exceeds ``noise_gate`` standard errors of what the
-measurements' own scatter explains (pid's gate, :meth:`PIDController.within_noise`, which also gates the
-balancer's proposals). Otherwise the sizes stay. A change of the global batch is never held.
-:attr:`PPOController.held` counts the decisions held so.
+How it works, in full: ``docs/internals.md``, section ``lightning_dynamix/control/ppo/controller.py``.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ def _empty_step_seconds(dims: list[int], trainer_threads: int | None, servers: i
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
-    # the lower quartile: in 3 processes the median moved 4.68-5.39 ms, the quartile 4.63-4.77 ms
+    # the lower quartile: it holds still from process to process where the median moves (docs/internals.md)
     return sorted(timer.step_seconds)[len(timer.step_seconds) // 4]
 
 
