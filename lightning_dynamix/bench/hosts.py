@@ -223,7 +223,6 @@ class Hosts:
             "MASTER_ADDR": self.address(master_host),
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": INTERFACE,
-            "TP_SOCKET_IFNAME": INTERFACE,
         }
 
     def command(self, host: int, command: Sequence[str]) -> list[str]:
@@ -324,7 +323,7 @@ def offload_job_result(
         with open(log, "w") as out:
             code = run_offload_job(hosts, trainer, servers, staleness, out)
         if code != 0 or not result.exists():
-            raise SystemExit(f"{bench}: the job on hosts ended with {code}:\n{log.read_text()[-3000:]}")
+            raise SystemExit(f"{bench}: the job on hosts ended with {code}:\n{log.read_text()[-12000:]}")
         return json.loads(result.read_text())
 
 

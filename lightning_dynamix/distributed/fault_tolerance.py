@@ -87,7 +87,7 @@ def check_lighthouse(address: str, timeout: float = 5.0) -> None:
     except OSError as error:
         raise ConnectionError(
             f"no torchft lighthouse answers at {address} ({error}); start one with `torchft_lighthouse"
-            f" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind [::]:{port}` on {host}"
+            f" --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 1000 --bind {host}:{port}` on {host}"
             " and give its address (`lighthouse=` or the TORCHFT_LIGHTHOUSE environment variable)"
         ) from None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed.rpc
 from torch.distributed.rendezvous import register_rendezvous_handler
@@ -391,6 +393,43 @@ def rpc_options(address: str, timeout_s: float) -> torch.distributed.rpc.TensorP
         _transports=["uv"],
         _channels=["basic"],
     )
+
+
+def interface_toward(address: str) -> str | None:
+    """The network interface this machine reaches ``address`` (``HOST:PORT``) through; ``None`` where none is found."""
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, _, _, target = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind) as probe:
+            probe.connect(target)  # a datagram socket: nothing is sent, the kernel only picks the route
+            local = probe.getsockname()[0]
+    except OSError:
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == local for a in addresses):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def listening_toward(address: str) -> Iterator[str | None]:
+    """Inside it, an RPC agent made by this process (``rpc.init_rpc``) listens on the interface it reaches
+    ``address`` (the job's rendezvous) through, not on the one its host name resolves to: TensorPipe's
+    ``TP_SOCKET_IFNAME``, set for the agent's construction only (processes started later do not inherit it). A
+    ``TP_SOCKET_IFNAME`` of the user's wins. Yields the interface (``None``: TensorPipe's default)."""
+    if os.environ.get(_LISTEN_INTERFACE):
+        yield os.environ[_LISTEN_INTERFACE]
+        return
+    interface = interface_toward(address)
+    if interface is not None:
+        os.environ[_LISTEN_INTERFACE] = interface
+    try:
+        yield interface
+    finally:
+        os.environ.pop(_LISTEN_INTERFACE, None)
+
+
+_LISTEN_INTERFACE = "TP_SOCKET_IFNAME"
 
 
 def parse_address(value: str) -> str:

@@ -14,6 +14,7 @@ from lightning_dynamix.offload.embedding_server import (
     DEFAULT_TIMEOUT_S,
     EmbeddingServer,
     install,
+    listening_toward,
     rpc_options,
     server_name,
 )
@@ -34,12 +35,13 @@ def run_server(
     server = EmbeddingServer(server_rank, num_servers, num_trainers, staleness)
     done = install(server)
     try:
-        rpc.init_rpc(
-            server_name(server_rank),
-            rank=num_trainers + server_rank,
-            world_size=num_trainers + num_servers,
-            rpc_backend_options=rpc_options(address, timeout_s),
-        )
+        with listening_toward(address):  # on the network the trainers reach it through, not its host name's
+            rpc.init_rpc(
+                server_name(server_rank),
+                rank=num_trainers + server_rank,
+                world_size=num_trainers + num_servers,
+                rpc_backend_options=rpc_options(address, timeout_s),
+            )
     except torch.distributed.DistError as error:  # the store timed out, or no trainer listened at the address
         print(
             f"{server_name(server_rank)}: the job's {num_trainers} trainer(s) and {num_servers} server(s) did not"

@@ -57,7 +57,7 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
     """Per-step fault tolerance on torchft for a Lightning job, with a batch size per replica (module docstring).
 
     Start one process per machine, each with ``Trainer(strategy=FaultTolerantStrategy(...), devices=1)``,
-    and one lighthouse for the job (``torchft_lighthouse --min_replicas 1 --bind [::]:29510``).
+    and one lighthouse for the job (``torchft_lighthouse --min_replicas 1 --bind HOST:29510``, on the job's address).
 
     Args:
         global_batch_size: samples per step over all the step's participants.

@@ -135,6 +135,21 @@ def test_two_hosts_on_their_own_links_train_like_one_process(hosts_available, tm
         assert worst <= 1e-6, f"max abs difference {worst}"
 
 
+def test_the_strategy_s_server_listens_on_the_job_s_address_not_where_the_host_name_points(hosts_available, tmp_path):
+    # on a host the machine's name resolves to the loopback; the job meets at the host's address on its link
+    with Hosts([None]) as hosts:
+        out = tmp_path / "listening.json"
+        env = {**job_environment(), **hosts.env(0), "OMP_NUM_THREADS": "1"}
+        job = hosts.popen(0, [sys.executable, str(JOBS / "offload_listen_job.py"), str(out)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        output = job.communicate(timeout=180)[0]
+        assert job.returncode == 0, output[-4000:]
+    seen = json.loads(out.read_text())
+    assert seen["job"] == hosts.address(0)
+    assert seen["servers"]  # its RPC agent listens
+    assert {address.rpartition(":")[0] for address in seen["servers"]} == {hosts.address(0)}
+
+
 def test_bench_elastic_on_hosts_loses_a_node_and_takes_it_back_with_no_step_lost(hosts_available, tmp_path):
     # `dynamix bench elastic` as a user runs it, every node on a host of its own behind a 20 Mbit/s link: the
     # survivors train on while the node starts again (43 steps an epoch, the last smaller; it leaves at step 42)

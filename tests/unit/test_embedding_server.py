@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 
+import psutil
 import pytest
 import torch
 
@@ -258,3 +260,19 @@ def test_serve_rejects_an_address_without_port(capsys):
     with pytest.raises(SystemExit):
         serve_main(["--address", "somehost", "--server-rank", "0", "--num-servers", "1", "--num-trainers", "1"])
     assert "--address" in capsys.readouterr().err
+
+
+def test_an_rpc_agent_listens_toward_the_job_s_address_for_its_construction_only(monkeypatch):
+    from lightning_dynamix.offload.embedding_server import interface_toward, listening_toward
+
+    loopback = next(name for name, addresses in psutil.net_if_addrs().items() if any(
+        a.address == "127.0.0.1" for a in addresses))  # fmt: skip
+    assert interface_toward("127.0.0.1:29500") == loopback
+    monkeypatch.delenv("TP_SOCKET_IFNAME", raising=False)
+    with listening_toward("127.0.0.1:29500") as interface:
+        assert os.environ["TP_SOCKET_IFNAME"] == interface == loopback
+    assert "TP_SOCKET_IFNAME" not in os.environ  # a process started later picks its own
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "eth7")
+    with listening_toward("127.0.0.1:29500") as interface:
+        assert interface == "eth7"  # the user's choice wins
+    assert os.environ["TP_SOCKET_IFNAME"] == "eth7"

@@ -20,7 +20,7 @@ import torch.distributed.rpc as rpc
 
 from lightning_dynamix import _compat
 from lightning_dynamix.distributed import free_port, job_environment
-from lightning_dynamix.offload.embedding_server import parse_address, rpc_options, trainer_name
+from lightning_dynamix.offload.embedding_server import listening_toward, parse_address, rpc_options, trainer_name
 from lightning_dynamix.offload.server_process import server_command
 
 if TYPE_CHECKING:
@@ -94,12 +94,13 @@ def join_servers(
     # group is shut down and each fit meets at a store of its own: counting from zero is safe.
     _compat.reset_rpc_counters()
     try:
-        rpc.init_rpc(
-            trainer_name(trainer_rank),
-            rank=trainer_rank,
-            world_size=num_trainers + num_servers,
-            rpc_backend_options=rpc_options(address, timeout_s),
-        )
+        with listening_toward(address):  # the servers reach it on the network of the meeting address
+            rpc.init_rpc(
+                trainer_name(trainer_rank),
+                rank=trainer_rank,
+                world_size=num_trainers + num_servers,
+                rpc_backend_options=rpc_options(address, timeout_s),
+            )
     except torch.distributed.DistError as error:  # the store timed out, or the address was not there
         if launched:
             hint = "a server this strategy started may have failed as it started (its output is above)"
