@@ -13,10 +13,11 @@ test: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
-# the inner loop: every module's unit tests, without the multi-process and end-to-end ones (make test runs all)
+# the inner loop: every module's unit tests, without the multi-process and end-to-end ones (make test runs all),
+# on two pytest-xdist workers
 test-fast: setup
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q -m "not distributed and not e2e"
+	.venv/bin/python -m pytest -q -n 2 -m "not distributed and not e2e"
 
 lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # commands (by their start) the test suite checks without running them, and why
 LONG: dict[str, str] = {
     "make setup": "CI runs it before the suite",
+    "pip install": "it installs into the reader's environment; the suite runs in the one `make setup` made",
     "make test": "it is the test suite itself",
     ".venv/bin/python -m pytest": "a part of the test suite, which runs it anyway",
     "make demo": "`dynamix demo`, below",
@@ -151,6 +152,12 @@ def check_without_running(command: str) -> None:
     elif words[0] == "make":
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.MULTILINE)
         assert all(w in targets for w in words[1:]), f"`{command}`: no such target in the Makefile ({targets})"
+    elif words[:2] == ["pip", "install"]:
+        extras = re.findall(r"\[([\w,]+)\]", command)
+        section = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+        declared = re.findall(r"^(\w+) = \[", section, flags=re.MULTILINE)
+        unknown = [extra for group in extras for extra in group.split(",") if extra not in declared]
+        assert not unknown, f"`{command}`: pyproject.toml declares no extra {unknown}"
     elif words[0] == "source":
         venv = re.search(r"^VENV=(\S+)$", (ROOT / "scripts" / "setup-venv.sh").read_text(), flags=re.MULTILINE)
         assert venv is not None, "scripts/setup-venv.sh sets no VENV"
