@@ -12,7 +12,6 @@ from lightning_dynamix.metrics.clocks import (
     WaitTimer,
     time_source_for,
 )
-from lightning_dynamix.metrics.noise_scale import GradientNoiseScale
 from lightning_dynamix.metrics.state import GLOBAL_FEATURES, LOCAL_FEATURES, ClusterState, WorkerMetrics
 from lightning_dynamix.metrics.system import SystemMonitor, SystemSample
 from lightning_dynamix.metrics.timers import IntervalSummary, StepClock, StepRecord
@@ -39,6 +38,12 @@ _MOVED_TO_TESTING = ("FakeDevice", "FakeEventClock")
 
 
 def __getattr__(name: str) -> Any:
+    # imported when first asked for: it needs torchmetrics (which imports matplotlib), and the embedding
+    # servers, which import the clocks, start without either
+    if name == "GradientNoiseScale":
+        from lightning_dynamix.metrics.noise_scale import GradientNoiseScale
+
+        return GradientNoiseScale
     # the test doubles moved to lightning_dynamix.testing; this import keeps working, with a warning, for a release
     if name in _MOVED_TO_TESTING:
         import warnings
