@@ -88,8 +88,10 @@ def test_nothing_is_left_after_close_ctrl_c_or_a_killed_maker(hosts_available, t
         names = [*hosts.namespaces, hosts.switch]
     assert sleeper.poll() is not None
     assert not set(names) & set(leftovers())
+    # Ctrl-C as a terminal delivers it: a process started in the background of a script inherits SIGINT ignored
     maker = """
 import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from lightning_dynamix.bench.hosts import Hosts
 with Hosts([None, 5]) as hosts:
     sleeper = hosts.popen(1, ["sleep", "300"])
