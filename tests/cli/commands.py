@@ -1,42 +1,42 @@
-"""How the CLI tests run the ``dynamix`` command: as a user runs it (a new process), or in the test's own."""
+"""How the CLI tests run the ``dynamix`` command: as a user runs it (a process of its own), or in the test's own."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import subprocess
 import sys
 from pathlib import Path
 
 from lightning_dynamix.distributed import job_environment
+from tests import forkserver
 
-
-def run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    return run_with_pid(args, cwd, timeout)[0]
-
-
-def run_with_pid(args: list[str], cwd: Path, timeout: float = 300) -> tuple[str, int]:
-    """``args`` run to its end (it must succeed): its output, stdout and stderr together, and its process id."""
-    env = job_environment()
-    with subprocess.Popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    output = stdout + stderr
-    assert proc.returncode == 0, output[-6000:]
-    return output, proc.pid
+# what `python -m lightning_dynamix.cli.main` imports before it runs a command: imported once, by the fork server
+PRELOAD = ("lightning_dynamix.bench.harness", "lightning_dynamix.cli.demo", "lightning_dynamix.bench.balance")
 
 
 def dynamix(*args: str, cwd: Path) -> str:
-    return run([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
+    return dynamix_with_pid(*args, cwd=cwd)[0]
 
 
-def dynamix_with_pid(*args: str, cwd: Path) -> tuple[str, int]:
-    """``dynamix ARGS`` as :func:`dynamix`, and the id of its process: the hosts it made are named after it
-    (``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``)."""
-    return run_with_pid([sys.executable, "-m", "lightning_dynamix.cli.main", *args], cwd=cwd)
+def dynamix_fails(*args: str, cwd: Path, timeout: float = 120) -> str:
+    """``dynamix ARGS`` run as :func:`dynamix` runs it, which must exit with an error: its output."""
+    status, output, _ = forkserver.run_module(
+        "lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD
+    )
+    assert status != 0, output[-6000:]
+    return output
+
+
+def dynamix_with_pid(*args: str, cwd: Path, timeout: float = 300) -> tuple[str, int]:
+    """``dynamix ARGS`` run to its end in a process of its own (it must succeed): its output, stdout and stderr
+    together, and its process id (the hosts it made are named after it:
+    ``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``). The process is forked from one that has
+    imported torch and Lightning (:mod:`tests.forkserver`), which a new Python takes 3.4 s of a core to do."""
+    status, output, pid = forkserver.run_module(
+        "lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD
+    )
+    assert status == 0, f"exit status {status}\n{output[-6000:]}"
+    return output, pid
 
 
 def dynamix_here(*args: str, cwd: Path, fails: bool = False) -> str:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 
 import pytest
 
-from tests.cli.commands import dynamix, dynamix_here
+from tests.cli.commands import dynamix, dynamix_fails, dynamix_here
 
 pytestmark = pytest.mark.distributed
 
@@ -97,12 +95,8 @@ def test_bench_balance_runs_goodput_with_sitting_out_allowed_and_refuses_a_negat
     sizes = [i["next_batch_sizes"] for i in json.loads(out.read_text())["runs"]["goodput"][0]]
     assert all(sum(s) == 48 for s in sizes)  # the global batch is kept
     assert all(min(s) >= 0 for s in sizes)  # whether the 8x slower rank sits out is timing: a bench figure
-    refused = subprocess.run(
-        [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "balance", "--min-batch-size", "-1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert refused.returncode != 0
-    assert "--min-batch-size must be >= 0" in refused.stderr
+    refused = dynamix_fails("bench", "balance", "--min-batch-size", "-1", cwd=tmp_path)
+    assert "--min-batch-size must be >= 0" in refused
 
 
 def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_against_the_best_fixed_split(
@@ -143,13 +137,10 @@ def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_a
 
 def test_bench_balance_refuses_contention_this_machine_cannot_provide(tmp_path):
     ranks = len(os.sched_getaffinity(0)) + 1
-    refused = subprocess.run(
-        [sys.executable, "-m", "lightning_dynamix.cli.main", "bench", "balance", "--contention", "busy",
-         "--speeds", ",".join(["1"] * ranks)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert refused.returncode != 0
-    assert f"--contention busy needs a core per rank ({ranks} ranks)" in refused.stderr
+    refused = dynamix_fails(
+        "bench", "balance", "--contention", "busy", "--speeds", ",".join(["1"] * ranks), cwd=tmp_path
+    )
+    assert f"--contention busy needs a core per rank ({ranks} ranks)" in refused
 
 
 def test_bench_tta_compares_controllers_on_another_model_family_with_a_mid_run_slowdown(tmp_path):
