@@ -93,7 +93,8 @@ class RankPool:
             self.close()
             self._start()
         self.tasks += 1
-        task = {**task, "id": self.tasks, "out": str(self.out)}
+        # a port for the process group, should the last task have ended it (see jobs/pool_worker.py)
+        task = {**task, "id": self.tasks, "out": str(self.out), "master_port": str(free_port())}
         for proc, log in zip(self._procs, self._logs):
             log.clear()
             assert proc.stdin is not None

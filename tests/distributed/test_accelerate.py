@@ -1,4 +1,6 @@
-"""DynamixAccelerate in real 2-process jobs started by `accelerate launch` and by `torchrun` (gloo on CPU)."""
+"""DynamixAccelerate in real 2-process jobs (gloo on CPU): started by `accelerate launch` and by `torchrun`, and, where
+the launcher is not what a test is about, run on the session's pool of 2 ranks (tests/distributed/pool.py: torchrun's
+variables set, the process group formed before the script, as a launcher leaves a rank)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import io
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,13 +18,19 @@ import torch
 from lightning_dynamix.cli.main import main
 from lightning_dynamix.distributed import job_environment
 from tests.distributed.conftest import JOBS
+from tests.distributed.pool import RankPool
 
 pytestmark = pytest.mark.distributed
 
 NUM_SAMPLES = 150
 
 
-def launch(launcher: str, out: Path, *args: str) -> None:
+def launch(launcher: str | Callable[[int], RankPool], out: Path, *args: str, script: str = "accelerate_job.py") -> None:
+    """Run ``jobs/<script> OUT ARGS`` on 2 ranks: under ``launcher`` (``"accelerate"`` or ``"torchrun"``), or on the
+    session's pools (the ``pools`` fixture)."""
+    if not isinstance(launcher, str):
+        launcher(2).run_script(script, out, *args, cwd=out)
+        return
     env = job_environment(PYTHONPATH=str(JOBS))
     bin_dir = Path(sys.executable).parent
     if launcher == "accelerate":
@@ -30,7 +39,7 @@ def launch(launcher: str, out: Path, *args: str) -> None:
     else:
         command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(
-        [*command, str(JOBS / "accelerate_job.py"), str(out), *args],
+        [*command, str(JOBS / script), str(out), *args],
         cwd=out, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     if proc.returncode != 0:
@@ -59,11 +68,13 @@ def batch_sizes(steps: list) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize(
     ("launcher", "optimizer", "workers"),
-    [("accelerate", "sgd", "0"), ("accelerate", "adam", "2"), ("torchrun", "sgd", "0")],
-    ids=["accelerate-sgd", "accelerate-adam-workers", "torchrun-sgd"],
+    [("accelerate", "sgd", "0"), ("pool", "adam", "2"), ("torchrun", "sgd", "0")],
+    ids=["accelerate-sgd", "pool-adam-workers", "torchrun-sgd"],
 )
-def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_helpers, launcher, optimizer, workers):
-    launch(launcher, tmp_path, optimizer, workers)
+def test_uneven_changing_sizes_train_exactly_like_one_process(
+    tmp_path, job_helpers, pools, launcher, optimizer, workers
+):
+    launch(pools if launcher == "pool" else launcher, tmp_path, optimizer, workers)
     _, steps = trained_like_one_process(tmp_path, job_helpers, optimizer, accumulate=1)
     # the same number of steps on both ranks, the sizes changed as planned
     assert len(steps[0]) == len(steps[1])
@@ -72,14 +83,16 @@ def test_uneven_changing_sizes_train_exactly_like_one_process(tmp_path, job_help
     assert {(6, 2), (1, 9), (5, 5), (2, 3)} <= set(sizes)
 
 
-def test_a_rank_that_sits_steps_out_trains_exactly_like_one_process_on_the_other_ranks_batches(tmp_path, job_helpers):
-    launch("accelerate", tmp_path, "adam", "0", "2", "sit-out")
+def test_a_rank_that_sits_steps_out_trains_exactly_like_one_process_on_the_other_ranks_batches(
+    tmp_path, job_helpers, pools
+):
+    launch(pools, tmp_path, "adam", "0", "2", "sit-out")
     _, steps = trained_like_one_process(tmp_path, job_helpers, "adam", accumulate=2)
     assert {(0, 8), (5, 0), (5, 5), (0, 5)} <= set(batch_sizes(steps))
 
 
-def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tmp_path, job_helpers):
-    launch("accelerate", tmp_path, "sgd", "0", "3")
+def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tmp_path, job_helpers, pools):
+    launch(pools, tmp_path, "sgd", "0", "3")
     # one optimizer step per window of 3 batches, each epoch's last window cut short at the epoch's end
     ranks, steps = trained_like_one_process(tmp_path, job_helpers, "sgd", accumulate=3)
     epoch_lengths = [sum(1 for e, _, _ in steps[0] if e == epoch) for epoch in (0, 1)]
@@ -100,8 +113,8 @@ def test_gradient_accumulation_trains_exactly_like_one_process_on_each_window(tm
     assert {(4, 4), (2, 8)} <= set(sizes)
 
 
-def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
-    launch("accelerate", tmp_path, "errors")
+def test_bad_input_is_refused_with_what_to_do_instead(tmp_path, pools):
+    launch(pools, tmp_path, "errors")
     for rank in range(2):
         messages = torch.load(tmp_path / f"errors{rank}.pt")
         assert "Pass the plain model: dynamix.prepare(model, ...)" in messages["prepared"]
@@ -111,21 +124,13 @@ def test_bad_input_is_refused_with_what_to_do_instead(tmp_path):
         assert "different arguments on different ranks" in messages["disagree"]
 
 
-def launch_pid(out: Path, mode: str) -> list[dict]:
-    env = job_environment()
-    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
-    command += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
-    proc = subprocess.run(
-        [*command, str(JOBS / "accelerate_pid_job.py"), str(out), mode],
-        cwd=out, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.fail(f"{mode} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+def launch_pid(pools: Callable[[int], RankPool], out: Path, mode: str) -> list[dict]:
+    launch(pools, out, mode, script="accelerate_pid_job.py")
     return [json.loads((out / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
 
 
-def test_pid_rebalances_an_emulated_slow_rank_and_logs_to_the_trackers(tmp_path):
-    ranks = launch_pid(tmp_path, "balance")
+def test_pid_rebalances_an_emulated_slow_rank_and_logs_to_the_trackers(tmp_path, pools):
+    ranks = launch_pid(pools, tmp_path, "balance")
     history = ranks[0]["history"]
     assert [r["decision"] for r in history] == [r["decision"] for r in ranks[1]["history"]]  # the same on both
     assert [r["step"] for r in history] == list(range(10, 61, 5))
@@ -148,9 +153,9 @@ def run_report(log_dir: Path) -> str:
     return buffer.getvalue()
 
 
-def test_save_state_and_load_state_resume_with_the_same_sizes_order_and_controller(tmp_path):
-    first = launch_pid(tmp_path, "first")
-    resumed = launch_pid(tmp_path, "resume")
+def test_save_state_and_load_state_resume_with_the_same_sizes_order_and_controller(tmp_path, pools):
+    first = launch_pid(pools, tmp_path, "first")
+    resumed = launch_pid(pools, tmp_path, "resume")
     # rank 0 decides: its controller state is the one saved (Accelerate saves registered objects from rank 0)
     assert resumed[0]["start"]["maker"] == first[0]["saved"]["maker"]
     for rank in range(2):

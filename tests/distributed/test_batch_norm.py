@@ -8,17 +8,9 @@ model's rank a single sample.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from lightning_dynamix.distributed import job_environment
-from tests.distributed.conftest import JOBS
 
 pytestmark = pytest.mark.distributed
 
@@ -99,14 +91,10 @@ def test_pid_never_gives_a_batch_norm_rank_one_sample_and_the_job_runs_to_its_en
     assert any(sizes != [16, 16] for sizes in pid_result["decided"])  # it moved samples off the slow rank
 
 
-def test_synchronised_batch_norm_under_accelerate_trains_like_one_process_on_the_global_batch(tmp_path, job_helpers):
-    env = job_environment(PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]))
-    command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(WORLD)]
-    proc = subprocess.run(
-        [*command, str(JOBS / "accelerate_batch_norm_job.py"), str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+def test_synchronised_batch_norm_under_accelerate_trains_like_one_process_on_the_global_batch(
+    tmp_path, job_helpers, pools
+):
+    pools(WORLD).run_script("accelerate_batch_norm_job.py", tmp_path, cwd=tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     sizes = [tuple(len(r["steps"][k][2]) for r in ranks) for k in range(len(ranks[0]["steps"]))]
     assert any(s[0] == 0 for s in sizes)

@@ -8,7 +8,9 @@ joins a gloo process group of that timeout, then reads one task per line of stan
 ``{"id": ..., "script": ..., "argv": [...], "cwd": ...}``: it runs a job script (:func:`run_script`);
 writes the returned value with ``torch.save`` to ``<out>/<id>-rank<r>.pt`` and answers on a line of
 its own, after everything else the task printed: ``@@done <id>`` or ``@@failed <id>`` with the
-traceback before it. An empty line or the end of standard input ends the worker at once.
+traceback before it. A script that ends the process group (Accelerate's ``end_training`` does) finds it formed
+anew at the next task, on the port the task names. An empty line or the end of standard input ends the worker
+at once.
 """
 
 import importlib
@@ -29,10 +31,12 @@ JOBS = Path(__file__).resolve().parent
 
 def run_script(script: str, argv: list[str], cwd: str) -> None:
     """Run ``jobs/<script>`` as ``python script argv...`` would (``__main__``, ``sys.argv``), in ``cwd``, then
-    give the process back as it was: the default dtype, torch's threads, the environment and the directory.
+    give the process back as it was: the default dtype, torch's threads, the environment and the directory, and
+    Accelerate's process-wide state reset.
 
-    A job script started by Lightning's launcher finds the pool's process group already formed and the
-    launcher's variables set (as under ``torchrun``): every rank runs it at once, each with its own rank.
+    A job script started by Lightning's launcher, or one for Accelerate's, finds the pool's process group already
+    formed and the launcher's variables set (as under ``torchrun``): every rank runs it at once, each with its own
+    rank.
     """
     dtype, threads, environ, directory, saved_argv = (
         torch.get_default_dtype(),
@@ -55,8 +59,11 @@ def run_script(script: str, argv: list[str], cwd: str) -> None:
         os.environ.update(environ)
         torch.set_default_dtype(dtype)
         torch.set_num_threads(threads)
-    if not dist.is_initialized():  # the script ended the process group: this rank cannot serve another task
-        raise RuntimeError(f"{script} destroyed the pool's process group; run it on its own instead")
+        if "accelerate" in sys.modules:  # Accelerate's process-wide state: the next script's Accelerator starts anew
+            from accelerate.state import AcceleratorState, GradientState
+
+            AcceleratorState._reset_state(reset_partial_state=True)
+            GradientState._reset_state()
 
 
 def main() -> None:
@@ -68,6 +75,11 @@ def main() -> None:
             break
         task = json.loads(line)
         try:
+            if not dist.is_initialized():  # the last script ended it (Accelerate's end_training does), on every
+                # rank: the test sends a task once all have answered. A new store on a new port: the old one may
+                # outlive its group where something still holds it, and a rank that met there would never return
+                os.environ["MASTER_PORT"] = task["master_port"]
+                dist.init_process_group("gloo", timeout=timeout)
             if "script" in task:
                 result = run_script(task["script"], task["argv"], task["cwd"])
             else:
