@@ -2,7 +2,8 @@
 
 Each resumed job must train the global batches of the uninterrupted job that saved the state
 (every remaining sample once) and end with its parameters; SGD without DataLoader workers and
-Adam with 2 workers (jobs/accelerate_regroup_job.py under torchrun).
+Adam with 2 workers (jobs/accelerate_regroup_job.py: the preempted launch under torchrun, the others on the
+session's pools of ranks).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def torchrun(world: int, out: Path, *args: str, expect: int = 0) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     out = tmp_path_factory.mktemp("accelerate-regroup")
     torchrun(3, out, expect=1)  # torchrun's own code for a failed worker; each process exited with 143
-    torchrun(2, out, "3")
-    torchrun(3, out, "2")
+    # the resumed launches on the session's pools of ranks (tests/distributed/pool.py: torchrun's variables)
+    pools(2).run_script("accelerate_regroup_job.py", out, "3", cwd=out)
+    pools(3).run_script("accelerate_regroup_job.py", out, "2", cwd=out)
 
     def load(config, name, world):
         return [torch.load(out / f"{config}-{name}-w{world}-rank{r}.pt") for r in range(world)]
