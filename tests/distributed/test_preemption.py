@@ -1,6 +1,7 @@
 """A SIGTERM to one rank saves one checkpoint of one step on every rank; the job resumes it on fewer ranks.
 
-jobs/preempt_job.py: 3 real ranks (Lightning's launcher, gloo); rank 2 sends itself SIGTERM mid-epoch.
+jobs/preempt_job.py: 3 real ranks (Lightning's launcher, gloo); rank 2 sends itself SIGTERM mid-epoch. The
+resumed job runs on the session's pool of 2 ranks.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pools):
     out = tmp_path_factory.mktemp("preempt")
     train = run_job("preempt_job.py", 3, out, "train", cwd=out, check=False)
     saved = torch.load(out / "checkpoints" / "last-preempted.ckpt", weights_only=False)["global_step"]
-    resume = run_job("preempt_job.py", 2, out, "resume", cwd=out)
-    return out, train, resume, saved
+    # the restart on 2 ranks is a job as any other: the session's pool of 2 ranks runs it (tests/distributed/pool.py)
+    pools(2).run_script("preempt_job.py", 2, out, "resume", cwd=out)
+    return out, train, saved
 
 
 def test_a_sigterm_to_one_rank_saves_one_step_on_every_rank_and_exits_for_a_restart(runs):
-    out, train, _, saved = runs
+    out, train, saved = runs
     assert train.returncode == PREEMPTED_EXIT_CODE, train.stderr[-4000:]
     ranks = [torch.load(out / f"preempted-w3-rank{r}.pt") for r in range(3)]
     assert [r["exception"] for r in ranks] == ["Preempted"] * 3
@@ -40,7 +42,7 @@ def test_a_sigterm_to_one_rank_saves_one_step_on_every_rank_and_exits_for_a_rest
 
 
 def test_the_job_resumes_the_preemption_checkpoint_on_fewer_ranks_with_nothing_lost(runs):
-    out, _, _, _ = runs
+    out, _, _ = runs
 
     def load(name, world):
         return [torch.load(out / f"{name}-w{world}-rank{r}.pt") for r in range(world)]
@@ -49,7 +51,7 @@ def test_the_job_resumes_the_preemption_checkpoint_on_fewer_ranks_with_nothing_l
 
 
 def test_the_resumed_job_leaves_its_end_in_the_file_a_later_restart_finds(runs):
-    out, _, _, _ = runs
+    out, _, _ = runs
     end = [torch.load(out / f"resumed-w2-rank{r}.pt") for r in range(2)]
     checkpoint = torch.load(out / "checkpoints" / "last-preempted.ckpt", weights_only=False)
     assert checkpoint["global_step"] == end[0]["global_step"] > 8
