@@ -10,7 +10,8 @@ from pathlib import Path
 from lightning_dynamix.distributed import job_environment
 from tests import forkserver
 
-# what `python -m lightning_dynamix.cli.main` imports before it runs a command: imported once, by the fork server
+# imported once, by the fork server: the package (torch, Lightning) and the run harness most commands use; a command
+# imports the rest itself (`lightning_dynamix.cli.main` is left out: runpy runs it anew as __main__)
 PRELOAD = ("lightning_dynamix.bench.harness", "lightning_dynamix.cli.demo", "lightning_dynamix.bench.balance")
 
 
@@ -20,9 +21,7 @@ def dynamix(*args: str, cwd: Path) -> str:
 
 def dynamix_fails(*args: str, cwd: Path, timeout: float = 120) -> str:
     """``dynamix ARGS`` run as :func:`dynamix` runs it, which must exit with an error: its output."""
-    status, output, _ = forkserver.run_module(
-        "lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD
-    )
+    status, output, _ = _forked(args, cwd, timeout)
     assert status != 0, output[-6000:]
     return output
 
@@ -30,13 +29,16 @@ def dynamix_fails(*args: str, cwd: Path, timeout: float = 120) -> str:
 def dynamix_with_pid(*args: str, cwd: Path, timeout: float = 300) -> tuple[str, int]:
     """``dynamix ARGS`` run to its end in a process of its own (it must succeed): its output, stdout and stderr
     together, and its process id (the hosts it made are named after it:
-    ``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``). The process is forked from one that has
-    imported torch and Lightning (:mod:`tests.forkserver`), which a new Python takes 3.4 s of a core to do."""
-    status, output, pid = forkserver.run_module(
-        "lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD
-    )
+    ``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``)."""
+    status, output, pid = _forked(args, cwd, timeout)
     assert status == 0, f"exit status {status}\n{output[-6000:]}"
     return output, pid
+
+
+def _forked(args: tuple[str, ...], cwd: Path, timeout: float) -> tuple[int, str, int]:
+    """``python -m lightning_dynamix.cli.main ARGS`` forked from a Python that has imported torch and Lightning
+    (:mod:`tests.forkserver`; a new Python takes 3.4 s of a core to): its exit status, output and process id."""
+    return forkserver.run_module("lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD)
 
 
 def dynamix_here(*args: str, cwd: Path, fails: bool = False) -> str:
