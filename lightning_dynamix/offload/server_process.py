@@ -10,6 +10,7 @@ import time
 import torch.distributed
 import torch.distributed.rpc as rpc
 
+from lightning_dynamix.distributed.launching import job_environment
 from lightning_dynamix.offload.embedding_server import (
     DEFAULT_TIMEOUT_S,
     EmbeddingServer,
@@ -67,14 +68,32 @@ def run_server(
 
 # A server needs torch and lightning_dynamix.offload only, but importing any module of the package runs its
 # __init__, which imports Lightning for the trainers (most of a server's start: docs/benchmarks/layer_offload.md).
-# The servers a strategy launches run the serve command beneath a bare stand-in for the package instead.
-_BOOTSTRAP = (
-    "import importlib.util, runpy, sys, types\n"
-    "package = types.ModuleType('lightning_dynamix')\n"
-    "package.__path__ = list(importlib.util.find_spec('lightning_dynamix').submodule_search_locations)\n"
-    "sys.modules['lightning_dynamix'] = package\n"
-    "runpy.run_module('lightning_dynamix.serve', run_name='__main__', alter_sys=True)\n"
-)
+# The servers a strategy launches, and their launcher, run beneath a bare stand-in for the package instead.
+def server_environment() -> dict[str, str]:
+    """The environment of a server this process starts: its own, without the variables of a job's rank (the
+    server must not read the trainers' as its own), with no CUDA device and one intra-op thread."""
+    env = job_environment()
+    env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
+    env["OMP_NUM_THREADS"] = "1"
+    # torch's RPC warns of every connection closed without its graceful shutdown ("encountered error"), on
+    # both ends, though nothing failed (docs/troubleshooting.md): a server's C++ side logs errors only
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
+def bootstrap(module: str) -> str:
+    """Python code (for ``python -c``) that runs ``module`` as ``python -m module`` does, beneath a bare stand-in
+    for the package: none of its ``__init__``'s imports, Lightning's among them."""
+    return (
+        "import importlib.util, runpy, sys, types\n"
+        "package = types.ModuleType('lightning_dynamix')\n"
+        "package.__path__ = list(importlib.util.find_spec('lightning_dynamix').submodule_search_locations)\n"
+        "sys.modules['lightning_dynamix'] = package\n"
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n"
+    )
+
+
+_BOOTSTRAP = bootstrap("lightning_dynamix.serve")
 
 
 def server_command(*args: str) -> list[str]:

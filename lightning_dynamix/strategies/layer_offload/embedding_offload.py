@@ -32,6 +32,7 @@ from lightning_dynamix.metrics.clocks import WaitTimer
 from lightning_dynamix.offload import SparseRowOptimizer
 from lightning_dynamix.offload.embedding_server import parse_address
 from lightning_dynamix.offload.remote import EmbeddingClient, RemoteTable, remote_module
+from lightning_dynamix.offload.server_launcher import LaunchedServer
 from lightning_dynamix.placement import PlacementPlan
 from lightning_dynamix.strategies.layer_offload import checkpoints, lookups, overflow, server_processes, tables
 
@@ -133,8 +134,9 @@ class EmbeddingOffload:
         self.return_embeddings = bool(return_embeddings)
         self.prefetch_depth = None if prefetch_depth is None else require_int("prefetch_depth", prefetch_depth, 0)
         self.trainer_threads = None if trainer_threads is None else require_int("trainer_threads", trainer_threads, 1)
-        self.servers: list[subprocess.Popen] = []
-        """The server processes this trainer launched, while they run."""
+        self.servers: list[subprocess.Popen | LaunchedServer] = []
+        """The server processes this trainer launched, while they run (``pid``, ``poll()``, ``wait()``,
+        ``terminate()``, ``kill()`` as :class:`subprocess.Popen`'s)."""
         self._strategy: OffloadingStrategy | None = None  # the strategy that holds this part, from its set-up on
         self._threads_before: int | None = None
         self._client: EmbeddingClient | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,9 +20,11 @@ import torch
 import torch.distributed.rpc as rpc
 
 from lightning_dynamix import _compat
-from lightning_dynamix.distributed import free_port, job_environment
+from lightning_dynamix.distributed import free_port
+from lightning_dynamix.offload import server_launcher
 from lightning_dynamix.offload.embedding_server import listening_toward, parse_address, rpc_options, trainer_name
-from lightning_dynamix.offload.server_process import server_command
+from lightning_dynamix.offload.server_launcher import LaunchedServer
+from lightning_dynamix.offload.server_process import server_command, server_environment
 
 if TYPE_CHECKING:
     from lightning_dynamix.strategies.layer_offload.embedding_offload import OffloadingStrategy
@@ -51,16 +54,15 @@ def meeting_address(strategy: OffloadingStrategy, server_port: int | None) -> st
 
 def launch_server(
     address: str, server: int, num_servers: int, num_trainers: int, staleness: int, timeout_s: float
-) -> subprocess.Popen:
+) -> subprocess.Popen | LaunchedServer:
     """Start embedding server ``server`` of ``num_servers`` as a CPU process of this machine, to meet the
-    trainers at ``address``; it exits with this process (``timeout_s``: seconds any wait of it may take)."""
-    env = job_environment()  # no rank of the trainers' launcher: it must not read their rank variables as its own
-    env["CUDA_VISIBLE_DEVICES"] = ""  # servers are CPU processes
-    env["OMP_NUM_THREADS"] = "1"
-    # torch's RPC warns of every connection closed without its graceful shutdown ("encountered error"), on
-    # both ends, though nothing failed (docs/troubleshooting.md): a server's C++ side logs errors only
-    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    command = server_command(
+    trainers at ``address``; it exits with this process (``timeout_s``: seconds any wait of it may take).
+
+    On Linux it is forked by this process's server launcher (:mod:`lightning_dynamix.offload.server_launcher`),
+    which imported torch once for every server this process starts; elsewhere it is a new Python.
+    """
+    env = server_environment()
+    args = [
         "--address",
         address,
         "--server-rank",
@@ -73,10 +75,10 @@ def launch_server(
         str(staleness),
         "--timeout",
         str(timeout_s),
-        "--parent-pid",
-        str(os.getpid()),
-    )
-    return subprocess.Popen(command, env=env)
+    ]
+    if sys.platform == "linux":
+        return server_launcher.launch(args, env)
+    return subprocess.Popen(server_command(*args, "--parent-pid", str(os.getpid())), env=env)
 
 
 def join_servers(
@@ -125,7 +127,7 @@ def leave_servers() -> None:
     rpc.shutdown(graceful=False)
 
 
-def stop_servers(servers: Sequence[subprocess.Popen], finished: bool, failed: bool) -> None:
+def stop_servers(servers: Sequence[subprocess.Popen | LaunchedServer], finished: bool, failed: bool) -> None:
     """Stop the server processes this trainer launched, and reap them.
 
     Args:
