@@ -1,17 +1,19 @@
-"""``python -m MODULE ARGS`` for the tests, forked from a Python that has imported torch, Lightning and the package.
+"""``python -m MODULE ARGS`` and ``python SCRIPT ARGS`` for the tests, forked from a Python that has imported torch,
+Lightning and the package.
 
 A new Python spends about 3.4 s of a core importing torch and Lightning before a ``dynamix`` command does
 anything, and the CLI tests start some twenty of them. :class:`ForkServer` starts one process that imports
 ``preload`` once and waits; each :meth:`ForkServer.run` has it fork a child that runs the command as ``python
 -m`` does (``runpy.run_module`` as ``__main__``, the working directory first on ``sys.path``), in the
-command's working directory, environment and output files, and reports the child's exit status. The child is
+command's working directory, environment and output files, and reports the child's exit status; a script runs as
+``python SCRIPT`` does (``runpy.run_path`` as ``__main__``, the script's directory first on ``sys.path``). The child is
 a process of its own: its id, its signal handlers, the threads, CPU affinity and cgroups it sets, its exit
 (``atexit`` included) are its own and die with it; a rank Lightning's launcher starts from it runs ``python -m
-MODULE ARGS`` anew, as from any process.
+MODULE ARGS`` (or ``python SCRIPT ARGS``) anew, as from any process.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
 environment is the server's own (the variables torch and its libraries read at import time are those the
-command would have read); :func:`run_module` starts any other command as a new Python.
+command would have read); :func:`run_module` and :func:`run_script` start any other command as a new Python.
 
 Usage (the server): python -m tests.forkserver SOCKET [MODULE...]
 """
@@ -68,12 +70,16 @@ class ForkServer:
         """Whether a command with environment ``env`` may be forked from this server."""
         return self.process.poll() is None and _without(env) == _without(self.env)
 
-    def run(self, module: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str, int]:
-        """Run ``python -m module args`` in ``cwd``: its exit status, its output (stdout, then stderr) and its
-        process id. Raises ``subprocess.TimeoutExpired`` (the command killed) after ``timeout`` seconds."""
+    def run(
+        self, target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, script: bool = False
+    ) -> tuple[int, str, int]:
+        """Run ``python -m target args`` (``python target args`` for a ``script``) in ``cwd``: its exit status, its
+        output (stdout, then stderr) and its process id. Raises ``subprocess.TimeoutExpired`` (the command killed)
+        after ``timeout`` seconds."""
         with tempfile.TemporaryDirectory(prefix="forked-") as out:
             outputs = [os.path.join(out, name) for name in ("stdout", "stderr")]
-            request = {"module": module, "args": args, "cwd": str(cwd), "env": env, "outputs": outputs}
+            kind = "script" if script else "module"
+            request = {kind: target, "args": args, "cwd": str(cwd), "env": env, "outputs": outputs}
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
                 connection.connect(self.path)
                 connection.sendall((json.dumps(request) + "\n").encode())
@@ -84,7 +90,7 @@ class ForkServer:
                     status = int(reader.readline())
                 except TimeoutError:
                     os.kill(pid, signal.SIGKILL)
-                    raise subprocess.TimeoutExpired([module, *args], timeout) from None
+                    raise subprocess.TimeoutExpired([target, *args], timeout) from None
             output = "".join(Path(path).read_text(errors="replace") for path in outputs)
         return status, output, pid
 
@@ -115,16 +121,29 @@ def run_module(
 ) -> tuple[int, str, int]:
     """:meth:`ForkServer.run` on this process's server for ``preload`` (started at the first call, stopped at this
     process's exit), or ``python -m module args`` as a new process where ``env`` is not the server's."""
+    return _run_forked(module, args, cwd, env, timeout, preload, script=False)
+
+
+def run_script(
+    script: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...]
+) -> tuple[int, str, int]:
+    """:func:`run_module` for ``python script args``."""
+    return _run_forked(script, args, cwd, env, timeout, preload, script=True)
+
+
+def _run_forked(
+    target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...], script: bool
+) -> tuple[int, str, int]:
     server = _SERVERS.get(preload)
     if server is None or server.process.poll() is not None:
         server = _SERVERS[preload] = ForkServer(preload, env)
         atexit.register(server.close)
     if server.serves(env):
-        return server.run(module, args, cwd, env, timeout)
+        return server.run(target, args, cwd, env, timeout, script=script)
+    command = [sys.executable, target] if script else [sys.executable, "-m", target]
     with subprocess.Popen(
-        [sys.executable, "-m", module, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True,
-    ) as proc:  # fmt: skip
+        [*command, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -171,7 +190,8 @@ def _serve(path: str, preload: list[str]) -> dict[str, Any] | None:
 
 
 def _run(request: dict[str, Any]) -> None:
-    """In the forked child: become ``python -m MODULE ARGS`` in the request's directory, environment and files."""
+    """In the forked child: become ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) in the request's directory,
+    environment and files."""
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -182,9 +202,15 @@ def _run(request: dict[str, Any]) -> None:
         os.dup2(opened, fd)
         os.close(opened)
     os.close(stdin)
-    sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
-    sys.argv = ["-m", *request["args"]]  # run_module sets argv[0] to the module's file
-    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    if "script" in request:
+        script = request["script"]
+        sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts the script's directory first
+        sys.argv = [script, *request["args"]]
+        runpy.run_path(script, run_name="__main__")
+    else:
+        sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
+        sys.argv = ["-m", *request["args"]]  # run_module sets argv[0] to the module's file
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ print.
 
 A ``dynamix`` subcommand of :data:`IN_PROCESS` (one that starts no process) runs its entry point,
 ``main``, in this process with the command's arguments, in the same working directory: what the
-``dynamix`` script runs, without the 4 s a new Python takes to import torch and Lightning. Every
+``dynamix`` script runs, without the 4 s a new Python takes to import torch and Lightning. A ``python SCRIPT
+ARGS`` or ``dynamix ARGS`` command that starts processes (a Lightning job's other ranks) runs forked from a
+Python that has imported them (:mod:`tests.forkserver`; a process of its own, as the command would be). Every
 other command runs with bash.
 """
 
@@ -182,12 +184,41 @@ def environment() -> dict[str, str]:
     return env
 
 
+def _words(command: str) -> list[str]:
+    """The words of ``command``, or none where the shell has work to do (pipes, variables, redirections)."""
+    return [] if re.search(r"[|&;<>$`(){}*?\\]", command) else shlex.split(command)
+
+
 def in_process(command: str) -> list[str] | None:
     """The arguments to run ``command`` with in this process (see :data:`IN_PROCESS`), or ``None``."""
-    if re.search(r"[|&;<>$`(){}*?\\]", command):
-        return None  # the shell has work to do
-    words = shlex.split(command)
+    words = _words(command)
     return words[1:] if len(words) > 1 and words[0] == "dynamix" and words[1] in IN_PROCESS else None
+
+
+# what the commands forked from a warm Python import first
+PRELOAD = ("lightning_dynamix", "lightning_dynamix.cli.main")
+
+
+def forkable(command: str) -> tuple[str, list[str], bool] | None:
+    """``(target, args, script)`` to fork ``command`` as ``python SCRIPT ARGS`` (``script``) or ``python -m
+    MODULE ARGS``, or ``None`` where bash must run it."""
+    words = _words(command)
+    if len(words) > 1 and words[0] == "python" and words[1].endswith(".py"):
+        return words[1], words[2:], True
+    if len(words) > 1 and words[0] == "dynamix":
+        return "lightning_dynamix.cli.main", words[1:], False
+    return None
+
+
+def run_forked(target: str, args: list[str], script: bool, command: str, workdir: Path, timeout: float = 600) -> str:
+    """``command`` forked (see :func:`forkable`) in ``workdir``; its output, or AssertionError with it."""
+    from tests import forkserver
+
+    run = forkserver.run_script if script else forkserver.run_module
+    status, output, _ = run(target, args, workdir, environment(), timeout, PRELOAD)
+    if status != 0:
+        raise AssertionError(f"`{command}` exited with {status}:\n{output[-6000:]}")
+    return output
 
 
 def run_here(args: list[str], command: str, workdir: Path) -> str:
@@ -309,13 +340,16 @@ def run_all(workdir: Path, run_long: bool = False, log: Callable[[str], None] = 
                 log(f"checked  {command}  ({block.where}; not run: {reason})")
                 continue
             here = in_process(command)
+            forked = forkable(command) if here is None else None
             if here is not None:
                 output = run_here(here, command, workdir)
+            elif forked is not None:
+                output = run_forked(*forked, command, workdir)
             else:  # make's targets live in the repository's Makefile, whatever the working directory
                 output = run_command(command, ROOT if command.startswith("make ") else workdir)
             if command in CHECKS:
                 CHECKS[command](output)
-            where = "in this process, " if here is not None else ""
+            where = "in this process, " if here is not None else "forked, " if forked is not None else ""
             log(f"ran      {command}  ({where}{block.where}, {time.perf_counter() - began:.0f} s)")
         except (AssertionError, subprocess.TimeoutExpired) as error:
             failures.append(f"{block.where}: {error}")
