@@ -169,9 +169,10 @@ def check_without_running(command: str) -> None:
 
 
 def prepare_workdir(workdir: Path) -> None:
-    """A working directory in which the docs' relative paths (examples/, .venv/) resolve to the repository's."""
+    """A working directory in which the docs' relative paths (examples/, scripts/, .venv/) resolve to the
+    repository's."""
     workdir.mkdir(parents=True, exist_ok=True)
-    for name in ("examples", ".venv"):
+    for name in ("examples", "scripts", ".venv"):
         link = workdir / name
         if (ROOT / name).exists() and not link.exists():
             link.symlink_to(ROOT / name)
