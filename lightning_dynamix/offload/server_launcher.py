@@ -206,18 +206,15 @@ def launch(args: list[str], env: dict[str, str]) -> LaunchedServer:
     with _launchers_lock:
         if not _launchers:
             atexit.register(_close_launchers)
-        for attempt in range(2):
-            launcher = _launchers.get(key)
-            if launcher is None or not launcher.alive:
-                launcher = _launchers[key] = ServerLauncher(env)
-            try:
-                return launcher.start(args, env)
-            except _LauncherGone:
-                launcher.close()
-                del _launchers[key]
-                if attempt == 1:
-                    raise
-    raise AssertionError("unreachable")
+        launcher = _launchers.get(key)
+        if launcher is None or not launcher.alive:
+            launcher = _launchers[key] = ServerLauncher(env)
+        try:
+            return launcher.start(args, env)
+        except _LauncherGone:  # it ended since the last server: once more, with a new one
+            launcher.close()
+            launcher = _launchers[key] = ServerLauncher(env)
+            return launcher.start(args, env)
 
 
 def _close_launchers() -> None:
@@ -250,7 +247,10 @@ def serve_requests(fd: int) -> None:
             _send(control, {"ended": pid, "status": os.waitstatus_to_exitcode(status)})
         if control not in ready:
             continue
-        message, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, 2)
+        try:
+            message, fds, _, _ = socket.recv_fds(control, _MESSAGE_BYTES, 2)
+        except OSError:
+            message, fds = b"", []
         if not message:
             return  # the trainer's end closed: the servers see their parent go, and end
         request = json.loads(message)
