@@ -111,6 +111,7 @@ class ServerLauncher:
 
         Raises:
             RuntimeError: the launcher did not answer (it ended).
+            ValueError: the arguments and environment exceed one message (64 KiB).
         """
         request = json.dumps({"args": args, "env": env, "cwd": os.getcwd()}).encode()
         if len(request) > _MESSAGE_BYTES:

@@ -75,6 +75,14 @@ def test_servers_share_one_launcher_of_this_process_and_obey_signals():
     first.kill()  # an ended server is not signalled again
     assert first.poll() == -signal.SIGTERM
 
+    # an environment that differs in what a process reads at its start (torch's C++ log level) gets a launcher
+    # started in it: a server never runs with another environment's logging or threads
+    verbose = launch(_args(_unused_port(), 60), {**server_environment(), "TORCH_CPP_LOG_LEVEL": "INFO"})
+    assert _parent(verbose.pid) not in (launcher, os.getpid())
+    assert _parent(_parent(verbose.pid)) == os.getpid()
+    verbose.kill()
+    assert verbose.wait(timeout=60) == -signal.SIGKILL
+
     os.kill(launcher, signal.SIGKILL)  # a launcher that ended is started again for the next server
     third = launch(_args(_unused_port(), 60), server_environment())
     assert _parent(third.pid) not in (launcher, os.getpid())
