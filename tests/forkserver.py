@@ -8,8 +8,13 @@ anything, and the CLI tests start some twenty of them. :class:`ForkServer` start
 command's working directory, environment and output files, and reports the child's exit status; a script runs as
 ``python SCRIPT`` does (``runpy.run_path`` as ``__main__``, the script's directory first on ``sys.path``). The child is
 a process of its own: its id, its signal handlers, the threads, CPU affinity and cgroups it sets, its exit
-(``atexit`` included) are its own and die with it; a rank Lightning's launcher starts from it runs ``python -m
-MODULE ARGS`` (or ``python SCRIPT ARGS``) anew, as from any process.
+(``atexit`` included) are its own and die with it.
+
+A rank of the command's job that its launcher starts (Lightning's starts ``python -m MODULE ARGS`` or ``python SCRIPT
+ARGS`` with ``subprocess.Popen``, in the command's environment and the job's variables) is forked by the server too,
+with the command's files 0, 1 and 2 (sent over the socket): ``subprocess.Popen`` in a forked command hands such a
+start to the server and returns a :class:`ForkedRank`, with the ``Popen`` methods a launcher uses (``pid``, ``poll``,
+``wait``, ``send_signal``, ``terminate``, ``kill``). Every other process a command starts starts as it would anywhere.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
 environment is the server's own (the variables torch and its libraries read at import time are those the
@@ -26,6 +31,7 @@ import importlib
 import json
 import os
 import runpy
+import select
 import signal
 import socket
 import subprocess
@@ -36,8 +42,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_dynamix.distributed.launching import JOB_VARIABLES
+
 ROOT = Path(__file__).resolve().parents[1]
-_IGNORED = ("PYTEST_CURRENT_TEST",)  # set per test; the child gets the command's value
+_IGNORED = (
+    "PYTEST_CURRENT_TEST",  # set per test
+    "PYGAME_HIDE_SUPPORT_PROMPT",  # set by stable-baselines3 at its import, in the server too; read by pygame alone
+)  # the child gets the command's values
 
 
 class ForkServer:
@@ -109,8 +120,8 @@ class ForkServer:
             os.rmdir(self._dir)
 
 
-def _without(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in _IGNORED}
+def _without(env: dict[str, str], names: tuple[str, ...] = _IGNORED) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in names}
 
 
 _SERVERS: dict[tuple[str, ...], ForkServer] = {}
@@ -152,10 +163,13 @@ def _run_forked(
     return proc.returncode, stdout + stderr, proc.pid
 
 
-def _serve(path: str, preload: list[str]) -> dict[str, Any] | None:
-    """Import ``preload``, then fork a child per request; in a child, its request; ``None`` when the server ends."""
+def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | None:
+    """Import ``preload``, then fork a child per request, several at once (a forked rank asks for the job's other
+    ranks while it runs); in a child, its request and the files it was sent; ``None`` when the server ends."""
+    global _SERVER, _PRELOADED_ENV
     for name in preload:
         importlib.import_module(name)
+    _SERVER, _PRELOADED_ENV = path, dict(os.environ)
     if threading.active_count() != 1:  # native pools (numpy's OpenBLAS) handle a fork themselves
         sys.exit(f"the fork server runs {threading.active_count()} Python threads after importing {preload}")
     parent = os.getppid()
@@ -163,45 +177,193 @@ def _serve(path: str, preload: list[str]) -> dict[str, Any] | None:
     listener.bind(path + ".new")
     os.rename(path + ".new", path)  # the client waits for the name: it appears once the server listens
     listener.listen()
-    listener.settimeout(1.0)
+    wake, woken = os.pipe()  # SIGCHLD writes here: a child ended
+    os.set_blocking(woken, False)
+    signal.set_wakeup_fd(woken)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    waiting: dict[int, socket.socket] = {}  # a running child's pid: the connection its status goes to
     while True:
-        try:
+        ready, _, _ = select.select([listener, wake], [], [], 1.0)
+        if listener in ready:
             connection, _ = listener.accept()
-        except TimeoutError:
-            if os.getppid() != parent:  # the test process is gone
+            try:
+                request, fds = _receive(connection)
+            except (OSError, ValueError):
+                connection.close()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for number in (signal.SIGCHLD, signal.SIGTERM):
+                    signal.signal(number, signal.SIG_DFL)
+                for other in (listener, *waiting.values(), connection):
+                    other.close()
+                os.close(wake)
+                os.close(woken)
+                return request, fds
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                connection.sendall(f"{pid}\n".encode())
+            waiting[pid] = connection
+        if wake in ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake, 512)
+        for pid in list(waiting):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                connection = waiting.pop(pid)
+                with contextlib.suppress(OSError):  # unless the client gave up (a timeout) and killed it
+                    connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                connection.close()
+        if os.getppid() != parent:  # the test process is gone
+            return None
+
+
+def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """A request (a line of JSON) and the files sent with its first bytes."""
+    connection.settimeout(30.0)
+    data, fds, _, _ = socket.recv_fds(connection, 1 << 16, 3)
+    while not data.endswith(b"\n"):
+        more = connection.recv(1 << 16)
+        if not more:
+            raise ValueError("the request ended before its line did")
+        data += more
+    connection.settimeout(None)
+    return json.loads(data), list(fds)
+
+
+# in the processes the server forks: its socket, its environment once it imported its preload, the command's
+_SERVER: str | None = None
+_PRELOADED_ENV: dict[str, str] = {}
+_COMMAND_ENV: dict[str, str] = {}
+# what a launcher sets in a rank's environment (no library reads these at import time)
+_LAUNCHERS = (*JOB_VARIABLES, "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+
+
+class ForkedRank:
+    """A rank a forked command asked the server for, with the methods of :class:`subprocess.Popen` a launcher uses.
+
+    Args:
+        args: the command, as it was given to ``Popen``.
+        request: the request for the server (the command's files are this process's 0, 1 and 2).
+    """
+
+    def __init__(self, args: list[str], request: dict[str, Any]) -> None:
+        self.args = args
+        self.stdin = self.stdout = self.stderr = None
+        self.returncode: int | None = None
+        assert _SERVER is not None
+        self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._connection.connect(_SERVER)
+        socket.send_fds(self._connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+        self._buffer = b""
+        self.pid = int(self._line(None))
+
+    def _line(self, timeout: float | None) -> str | None:
+        """The server's next line; ``None`` if none came within ``timeout`` (0: none waiting now)."""
+        self._connection.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            try:
+                more = self._connection.recv(64)
+            except (TimeoutError, BlockingIOError):
                 return None
-            continue
-        connection.settimeout(None)
-        request = json.loads(connection.makefile("r").readline())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            listener.close()
-            connection.close()
-            return request
-        connection.sendall(f"{pid}\n".encode())
-        _, status = os.waitpid(pid, 0)
-        with contextlib.suppress(OSError):  # unless the client gave up (a timeout) and killed it
-            connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
-        connection.close()
+            if not more:
+                raise RuntimeError(f"the fork server ended before rank {self.args} did")
+            self._buffer += more
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            line = self._line(0)
+            if line is not None:
+                self.returncode = int(line)
+                self._connection.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self.returncode = int(line)
+            self._connection.close()
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, number)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def __enter__(self) -> ForkedRank:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.wait()
 
 
-def _run(request: dict[str, Any]) -> None:
+def _rank_request(args: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The server's request for ``Popen(args, *rest, **kwargs)``, where it starts a rank of this command's job: ``python
+    -m MODULE ARGS`` or ``python SCRIPT ARGS``, with this process's files, in an environment that differs from this
+    command's only in what a launcher sets for a rank (and what the imports the server made set); else ``None``."""
+    if rest or not set(kwargs) <= {"env", "cwd"} or not isinstance(args, (list, tuple)) or len(args) < 2:
+        return None
+    if not all(isinstance(word, str) for word in args) or args[0] != sys.executable:
+        return None
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    changed = {k for k in set(env) | set(_COMMAND_ENV) if env.get(k) != _COMMAND_ENV.get(k)}
+    # beyond the launcher's variables, only what the server's imports set too (this process made the same imports)
+    if any(k not in _LAUNCHERS and env.get(k) != _PRELOADED_ENV.get(k) for k in changed):
+        return None
+    cwd = os.fspath(kwargs.get("cwd") or os.getcwd())
+    if args[1] == "-m" and len(args) > 2:
+        return {"module": args[2], "args": list(args[3:]), "cwd": cwd, "env": env}
+    if args[1].endswith(".py") and os.path.isfile(os.path.join(cwd, args[1])):
+        return {"script": args[1], "args": list(args[2:]), "cwd": cwd, "env": env}
+    return None
+
+
+class _ForkingPopen(subprocess.Popen):
+    """``subprocess.Popen`` in a forked command: a rank of its job (see :func:`_rank_request`) forked by the server,
+    any other command started as ``Popen`` starts it."""
+
+    def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        request = _rank_request(args, rest, kwargs)
+        if request is None:
+            return super().__new__(cls)
+        return ForkedRank(list(args), request)
+
+
+def _run(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) in the request's directory,
-    environment and files."""
+    environment and files (the ``outputs`` it names, or the files it was sent); the ranks it starts are forked too."""
+    global _COMMAND_ENV
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    stdin = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(stdin, 0)
-    for fd, path in zip((1, 2), request["outputs"]):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
-    os.close(stdin)
+    _COMMAND_ENV = dict(request["env"])
+    if fds:
+        for fd, sent in zip((0, 1, 2), fds):
+            os.dup2(sent, fd)
+            os.close(sent)
+    else:
+        stdin = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(stdin, 0)
+        for fd, path in zip((1, 2), request["outputs"]):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.close(stdin)
+    subprocess.Popen = _ForkingPopen  # type: ignore[misc]
     if "script" in request:
         script = request["script"]
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts the script's directory first
@@ -216,4 +378,4 @@ def _run(request: dict[str, Any]) -> None:
 if __name__ == "__main__":
     _request = _serve(sys.argv[1], sys.argv[2:])
     if _request is not None:
-        _run(_request)
+        _run(*_request)

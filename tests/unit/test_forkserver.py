@@ -77,3 +77,46 @@ def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
     forks, env, _ = server
     assert forks.serves(dict(env, PYTEST_CURRENT_TEST="another test"))
     assert not forks.serves(dict(env, OMP_NUM_THREADS="7"))  # torch read the server's at import
+
+
+# a script that starts a rank of its job as Lightning's launcher does, then another with the threads torch reads at
+# its import changed; each rank says who started it
+_LAUNCHER = """
+import json, os, signal, subprocess, sys, time
+if len(sys.argv) > 1:
+    print(json.dumps({"rank": os.environ["LOCAL_RANK"], "pid": os.getpid(), "parent": os.getppid()}), flush=True)
+    if sys.argv[1] == "sleep":
+        time.sleep(120)
+    sys.exit(int(sys.argv[1]) if sys.argv[1] != "sleep" else 0)
+ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "5"], env=dict(os.environ, LOCAL_RANK="1")),
+         subprocess.Popen([sys.executable, os.path.abspath(__file__), "6"],
+                          env=dict(os.environ, LOCAL_RANK="2", OMP_NUM_THREADS="3"))]
+statuses = [rank.wait(timeout=60) for rank in ranks]
+sleeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sleep"], env=dict(os.environ, LOCAL_RANK="3"))
+assert sleeper.poll() is None
+try:
+    sleeper.wait(timeout=0.2)
+except subprocess.TimeoutExpired:
+    sleeper.kill()
+print(json.dumps({"statuses": statuses, "killed": sleeper.wait(timeout=60), "pids": [r.pid for r in ranks],
+                  "me": os.getpid()}), flush=True)
+"""
+
+
+def test_a_rank_a_forked_command_starts_is_forked_by_the_server_and_any_other_process_starts_anew(server, tmp_path):
+    import json
+
+    forks, env, probes = server
+    script = probes / "launcher.py"
+    script.write_text(_LAUNCHER)
+    status, output, pid = forks.run(str(script), [], tmp_path, env, 120, script=True)
+    assert status == 0, output
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    ranks = {line["rank"]: line for line in lines if "rank" in line}
+    (summary,) = [line for line in lines if "statuses" in line]
+    assert summary["statuses"] == [5, 6]  # each rank's exit status, through the server for the forked one
+    assert summary["killed"] == -9
+    assert [ranks["1"]["pid"], ranks["2"]["pid"]] == summary["pids"]
+    assert ranks["1"]["parent"] == forks.process.pid  # forked: the job's variables differ from the server's alone
+    assert ranks["2"]["parent"] == pid  # a new Python: torch reads OMP_NUM_THREADS at its import
+    assert ranks["3"]["parent"] == forks.process.pid
