@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,21 @@ _IGNORED = (
     "PYTEST_CURRENT_TEST",  # set per test
     "PYGAME_HIDE_SUPPORT_PROMPT",  # set by stable-baselines3 at its import, in the server too; read by pygame alone
 )  # the child gets the command's values
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A command run to its end: its exit status (``-N`` for signal ``N``), its outputs and its process id."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    pid: int
+
+    @property
+    def output(self) -> str:
+        """stdout, then stderr."""
+        return self.stdout + self.stderr
 
 
 class ForkServer:
@@ -83,10 +99,9 @@ class ForkServer:
 
     def run(
         self, target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, script: bool = False
-    ) -> tuple[int, str, int]:
-        """Run ``python -m target args`` (``python target args`` for a ``script``) in ``cwd``: its exit status, its
-        output (stdout, then stderr) and its process id. Raises ``subprocess.TimeoutExpired`` (the command killed)
-        after ``timeout`` seconds."""
+    ) -> Completed:
+        """Run ``python -m target args`` (``python target args`` for a ``script``) in ``cwd`` to its end. Raises
+        ``subprocess.TimeoutExpired`` (the command killed) after ``timeout`` seconds."""
         with tempfile.TemporaryDirectory(prefix="forked-") as out:
             outputs = [os.path.join(out, name) for name in ("stdout", "stderr")]
             kind = "script" if script else "module"
@@ -102,8 +117,8 @@ class ForkServer:
                 except TimeoutError:
                     os.kill(pid, signal.SIGKILL)
                     raise subprocess.TimeoutExpired([target, *args], timeout) from None
-            output = "".join(Path(path).read_text(errors="replace") for path in outputs)
-        return status, output, pid
+            stdout, stderr = (Path(path).read_text(errors="replace") for path in outputs)
+        return Completed(status, stdout, stderr, pid)
 
     def close(self) -> None:
         """Stop the server (a command it forked runs to its end)."""
@@ -129,7 +144,7 @@ _SERVERS: dict[tuple[str, ...], ForkServer] = {}
 
 def run_module(
     module: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...]
-) -> tuple[int, str, int]:
+) -> Completed:
     """:meth:`ForkServer.run` on this process's server for ``preload`` (started at the first call, stopped at this
     process's exit), or ``python -m module args`` as a new process where ``env`` is not the server's."""
     return _run_forked(module, args, cwd, env, timeout, preload, script=False)
@@ -137,14 +152,14 @@ def run_module(
 
 def run_script(
     script: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...]
-) -> tuple[int, str, int]:
+) -> Completed:
     """:func:`run_module` for ``python script args``."""
     return _run_forked(script, args, cwd, env, timeout, preload, script=True)
 
 
 def _run_forked(
     target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...], script: bool
-) -> tuple[int, str, int]:
+) -> Completed:
     server = _SERVERS.get(preload)
     if server is None or server.process.poll() is not None:
         server = _SERVERS[preload] = ForkServer(preload, env)
@@ -160,7 +175,7 @@ def _run_forked(
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    return proc.returncode, stdout + stderr, proc.pid
+    return Completed(proc.returncode, stdout, stderr, proc.pid)
 
 
 def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | None:

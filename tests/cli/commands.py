@@ -21,23 +21,23 @@ def dynamix(*args: str, cwd: Path) -> str:
 
 def dynamix_fails(*args: str, cwd: Path, timeout: float = 120) -> str:
     """``dynamix ARGS`` run as :func:`dynamix` runs it, which must exit with an error: its output."""
-    status, output, _ = _forked(args, cwd, timeout)
-    assert status != 0, output[-6000:]
-    return output
+    done = _forked(args, cwd, timeout)
+    assert done.returncode != 0, done.output[-6000:]
+    return done.output
 
 
 def dynamix_with_pid(*args: str, cwd: Path, timeout: float = 300) -> tuple[str, int]:
     """``dynamix ARGS`` run to its end in a process of its own (it must succeed): its output, stdout and stderr
     together, and its process id (the hosts it made are named after it:
     ``lightning_dynamix.bench.hosts.leftovers(prefix=f"dx{pid}n")``)."""
-    status, output, pid = _forked(args, cwd, timeout)
-    assert status == 0, f"exit status {status}\n{output[-6000:]}"
-    return output, pid
+    done = _forked(args, cwd, timeout)
+    assert done.returncode == 0, f"exit status {done.returncode}\n{done.output[-6000:]}"
+    return done.output, done.pid
 
 
-def _forked(args: tuple[str, ...], cwd: Path, timeout: float) -> tuple[int, str, int]:
+def _forked(args: tuple[str, ...], cwd: Path, timeout: float) -> forkserver.Completed:
     """``python -m lightning_dynamix.cli.main ARGS`` forked from a Python that has imported torch and Lightning
-    (:mod:`tests.forkserver`; a new Python takes 3.4 s of a core to): its exit status, output and process id."""
+    (:mod:`tests.forkserver`; a new Python takes 3.4 s of a core to), run to its end."""
     return forkserver.run_module("lightning_dynamix.cli.main", list(args), cwd, job_environment(), timeout, PRELOAD)
 
 

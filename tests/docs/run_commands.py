@@ -216,10 +216,10 @@ def run_forked(target: str, args: list[str], script: bool, command: str, workdir
     from tests import forkserver
 
     run = forkserver.run_script if script else forkserver.run_module
-    status, output, _ = run(target, args, workdir, environment(), timeout, PRELOAD)
-    if status != 0:
-        raise AssertionError(f"`{command}` exited with {status}:\n{output[-6000:]}")
-    return output
+    done = run(target, args, workdir, environment(), timeout, PRELOAD)
+    if done.returncode != 0:
+        raise AssertionError(f"`{command}` exited with {done.returncode}:\n{done.output[-6000:]}")
+    return done.output
 
 
 def run_here(args: list[str], command: str, workdir: Path) -> str:

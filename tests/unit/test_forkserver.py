@@ -37,9 +37,9 @@ def test_a_forked_command_has_its_own_process_directory_arguments_and_exit_statu
     forks, env, _ = server
     results = []
     for code in (0, 3):
-        status, output, pid = forks.run("probe_module", [str(code)], tmp_path, dict(env, PROBE=str(code)), 60)
-        assert status == code, output
-        results.append((json.loads(output), pid))
+        done = forks.run("probe_module", [str(code)], tmp_path, dict(env, PROBE=str(code)), 60)
+        assert done.returncode == code, done.output
+        results.append((json.loads(done.stdout), done.pid))
     for seen, pid in results:
         assert seen["pid"] == pid not in (os.getpid(), forks.process.pid)
         assert seen["cwd"] == seen["path0"] == str(tmp_path)  # as `python -m` puts the working directory first
@@ -55,10 +55,10 @@ def test_a_forked_script_runs_as_python_script_does(server, tmp_path):
 
     forks, env, probes = server
     script = probes / "probe_module.py"
-    status, output, pid = forks.run(str(script), ["3", "x"], tmp_path, env, 60, script=True)
-    assert status == 3, output
-    seen = json.loads(output)
-    assert seen["pid"] == pid not in (os.getpid(), forks.process.pid)
+    done = forks.run(str(script), ["3", "x"], tmp_path, env, 60, script=True)
+    assert done.returncode == 3, done.output
+    seen = json.loads(done.stdout)
+    assert seen["pid"] == done.pid not in (os.getpid(), forks.process.pid)
     assert seen["argv"] == [str(script), "3", "x"]
     assert seen["cwd"] == str(tmp_path)
     assert seen["path0"] == str(probes)  # the script's directory, as `python SCRIPT` puts first
@@ -69,8 +69,8 @@ def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(ser
     forks, env, _ = server
     with pytest.raises(subprocess.TimeoutExpired):
         forks.run("sleep_module", [], tmp_path, env, 0.5)
-    status, output, _ = forks.run("probe_module", ["0"], tmp_path, env, 60)  # it waited for the killed one
-    assert status == 0, output
+    done = forks.run("probe_module", ["0"], tmp_path, env, 60)  # it waited for the killed one
+    assert done.returncode == 0, done.output
 
 
 def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
@@ -109,14 +109,14 @@ def test_a_rank_a_forked_command_starts_is_forked_by_the_server_and_any_other_pr
     forks, env, probes = server
     script = probes / "launcher.py"
     script.write_text(_LAUNCHER)
-    status, output, pid = forks.run(str(script), [], tmp_path, env, 120, script=True)
-    assert status == 0, output
-    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    done = forks.run(str(script), [], tmp_path, env, 120, script=True)
+    assert done.returncode == 0, done.output
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     ranks = {line["rank"]: line for line in lines if "rank" in line}
     (summary,) = [line for line in lines if "statuses" in line]
     assert summary["statuses"] == [5, 6]  # each rank's exit status, through the server for the forked one
     assert summary["killed"] == -9
     assert [ranks["1"]["pid"], ranks["2"]["pid"]] == summary["pids"]
     assert ranks["1"]["parent"] == forks.process.pid  # forked: the job's variables differ from the server's alone
-    assert ranks["2"]["parent"] == pid  # a new Python: torch reads OMP_NUM_THREADS at its import
+    assert ranks["2"]["parent"] == done.pid  # a new Python: torch reads OMP_NUM_THREADS at its import
     assert ranks["3"]["parent"] == forks.process.pid
