@@ -190,8 +190,8 @@ def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | 
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".new")
-    os.rename(path + ".new", path)  # the client waits for the name: it appears once the server listens
     listener.listen()
+    os.rename(path + ".new", path)  # the client waits for the name: it appears once the server listens
     wake, woken = os.pipe()  # SIGCHLD writes here: a child ended
     os.set_blocking(woken, False)
     signal.set_wakeup_fd(woken)
