@@ -24,20 +24,26 @@ fi
 
 stamp="$VENV/.installed-$(sha256sum pyproject.toml | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  install=("${PIP[@]}")
+  uv=()
   # uv only in a venv of its own: it does not count packages reused from the system's site-packages
   if [ "${SETUP_INSTALLER:-uv}" = uv ] && grep -q "include-system-site-packages = false" "$VENV/pyvenv.cfg" &&
     "${PIP[@]}" --quiet uv 2>/dev/null; then
     # compiled as pip compiles them: a Python run with PYTHONDONTWRITEBYTECODE would compile torch at every import
-    install=("$VENV/bin/uv" pip install --compile-bytecode --python "$VENV/bin/python")
+    uv=("$VENV/bin/uv" pip install --compile-bytecode --python "$VENV/bin/python")
   fi
+  install() {  # with uv where it works (it may not reach the indexes pip is configured with), else with pip
+    if [ ${#uv[@]} -gt 0 ] && "${uv[@]}" "$@"; then
+      return
+    fi
+    "${PIP[@]}" "$@"
+  }
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     wheels=$(mktemp -d)
     trap 'rm -rf "$wheels"' EXIT
     "$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps -d "$wheels" "torch==2.13.0"
-    "${install[@]}" "$wheels"/torch-*.whl
+    install "$wheels"/torch-*.whl
   fi
-  "${install[@]}" -e ".[dev,ft]"
+  install -e ".[dev,ft]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi
