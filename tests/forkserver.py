@@ -17,8 +17,9 @@ start to the server and returns a :class:`ForkedRank`, with the ``Popen`` method
 ``wait``, ``send_signal``, ``terminate``, ``kill``). Every other process a command starts starts as it would anywhere.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
-environment is the server's own (the variables torch and its libraries read at import time are those the
-command would have read); :func:`run_module` and :func:`run_script` start any other command as a new Python.
+environment is the server's own, but for what the server's imports set as the command has it (the variables torch
+and its libraries read at import time are those the command would have read); :func:`run_module` and
+:func:`run_script` start any other command as a new Python.
 
 Usage (the server): python -m tests.forkserver SOCKET [MODULE...]
 """
@@ -32,6 +33,7 @@ import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,10 +48,7 @@ from typing import Any
 from lightning_dynamix.distributed.launching import JOB_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[1]
-_IGNORED = (
-    "PYTEST_CURRENT_TEST",  # set per test
-    "PYGAME_HIDE_SUPPORT_PROMPT",  # set by stable-baselines3 at its import, in the server too; read by pygame alone
-)  # the child gets the command's values
+_IGNORED = ("PYTEST_CURRENT_TEST",)  # set per test; the child gets the command's value
 
 
 @dataclass(frozen=True)
@@ -92,10 +91,12 @@ class ForkServer:
                 self.close()
                 raise RuntimeError(f"the fork server did not listen within {start_timeout:g} s")
             time.sleep(0.05)
+        with open(self.path + ".env") as written:
+            self.preloaded_env: dict[str, str] = json.load(written)  # the server's, once its imports set theirs
 
     def serves(self, env: dict[str, str]) -> bool:
         """Whether a command with environment ``env`` may be forked from this server."""
-        return self.process.poll() is None and _without(env) == _without(self.env)
+        return self.process.poll() is None and _differs_only_in(env, self.env, self.preloaded_env, _IGNORED)
 
     def run(
         self, target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, script: bool = False
@@ -129,14 +130,16 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self._dir)
+        shutil.rmtree(self._dir, ignore_errors=True)  # its socket and environment
 
 
-def _without(env: dict[str, str], names: tuple[str, ...] = _IGNORED) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in names}
+def _differs_only_in(
+    env: dict[str, str], base: dict[str, str], preloaded: dict[str, str], free: tuple[str, ...]
+) -> bool:
+    """Whether ``env`` is ``base`` but for the variables ``free`` names and those the server's imports set as ``env``
+    has them (``preloaded``: its environment after them; stable-baselines3's import sets one, for pygame)."""
+    changed = {k for k in set(env) | set(base) if env.get(k) != base.get(k)}
+    return all(k in free or env.get(k) == preloaded.get(k) for k in changed)
 
 
 _SERVERS: dict[tuple[str, ...], ForkServer] = {}
@@ -185,6 +188,8 @@ def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | 
     for name in preload:
         importlib.import_module(name)
     _SERVER, _PRELOADED_ENV = path, dict(os.environ)
+    with open(path + ".env", "w") as written:  # for the client's choice of commands it may fork (read once it listens)
+        json.dump(_PRELOADED_ENV, written)
     if threading.active_count() != 1:  # native pools (numpy's OpenBLAS) handle a fork themselves
         sys.exit(f"the fork server runs {threading.active_count()} Python threads after importing {preload}")
     parent = os.getppid()
@@ -335,9 +340,7 @@ def _rank_request(args: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> d
     if not all(isinstance(word, str) for word in args) or args[0] != sys.executable:
         return None
     env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    changed = {k for k in set(env) | set(_COMMAND_ENV) if env.get(k) != _COMMAND_ENV.get(k)}
-    # beyond the launcher's variables, only what the server's imports set too (this process made the same imports)
-    if any(k not in _LAUNCHERS and env.get(k) != _PRELOADED_ENV.get(k) for k in changed):
+    if not _differs_only_in(env, _COMMAND_ENV, _PRELOADED_ENV, _LAUNCHERS):
         return None
     cwd = os.fspath(kwargs.get("cwd") or os.getcwd())
     if args[1] == "-m" and len(args) > 2:

@@ -20,12 +20,16 @@ sys.exit(int(sys.argv[1]))
 """
 
 
+_SET_BY_LIGHTNING = "PYTORCH_NVML_BASED_CUDA_CHECK"
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     probes = tmp_path_factory.mktemp("probes")
     (probes / "probe_module.py").write_text(_PROBE)
     (probes / "sleep_module.py").write_text("import time\ntime.sleep(120)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(probes), os.environ.get("PYTHONPATH", "")]))
+    env.pop(_SET_BY_LIGHTNING, None)  # the server's import of Lightning sets it
     server = ForkServer(("json",), env)
     yield server, env, probes
     server.close()
@@ -77,6 +81,10 @@ def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
     forks, env, _ = server
     assert forks.serves(dict(env, PYTEST_CURRENT_TEST="another test"))
     assert not forks.serves(dict(env, OMP_NUM_THREADS="7"))  # torch read the server's at import
+    # what the server's own imports set, as they set it: a command that imported the same (the test process) has it
+    assert forks.preloaded_env[_SET_BY_LIGHTNING] == "1"
+    assert forks.serves(dict(env, **{_SET_BY_LIGHTNING: "1"}))
+    assert not forks.serves(dict(env, **{_SET_BY_LIGHTNING: "0"}))
 
 
 # a script that starts a rank of its job as Lightning's launcher does, then another with the threads torch reads at
