@@ -19,10 +19,14 @@ from lightning_dynamix.offload.server_launcher import launch
 from lightning_dynamix.offload.server_process import server_command, server_environment
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5, help="rounds, each starting a server both ways (default 5)")
-    rounds = parser.parse_args().rounds
+    return parser
+
+
+def main() -> None:
+    rounds = build_parser().parse_args().rounds
     quiet, shown = os.open(os.devnull, os.O_WRONLY), os.dup(1)  # a forked server prints its --help to this stdout
     for round_ in range(rounds):
         began = time.perf_counter()

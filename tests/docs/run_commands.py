@@ -25,6 +25,7 @@ import contextlib
 import io
 import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -52,6 +53,7 @@ LONG: dict[str, str] = {
     ".venv/bin/dynamix train-policy --preset default": "about 35 minutes; the docs train a tiny policy",
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
     "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
+    ".venv/bin/python scripts/server_start.py": "a timing of rounds; tests/unit/test_server_launcher.py runs one",
     "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_balance.py reports a short one",
 }
 
@@ -146,6 +148,12 @@ def check_without_running(command: str) -> None:
             serve_parser().parse_args(words[3:])
         except SystemExit as exit_:
             raise AssertionError(f"`{command}`: the server rejects these arguments") from exit_
+    elif words[0] == ".venv/bin/python" and words[1].startswith("scripts/") and words[1].endswith(".py"):
+        script = runpy.run_path(str(ROOT / words[1]))  # its module, not run as __main__
+        try:
+            script["build_parser"]().parse_args(words[2:])
+        except SystemExit as exit_:
+            raise AssertionError(f"`{command}`: the script rejects these arguments") from exit_
     elif words[1:3] == ["-m", "pytest"]:
         paths = [word for word in words[3:] if not word.startswith("-")]
         missing = [path for path in paths if not (ROOT / path.split("::")[0]).exists()]
@@ -202,10 +210,17 @@ PRELOAD = ("lightning_dynamix", "lightning_dynamix.cli.main")
 
 def forkable(command: str) -> tuple[str, list[str], bool] | None:
     """``(target, args, script)`` to fork ``command`` as ``python SCRIPT ARGS`` (``script``) or ``python -m
-    MODULE ARGS``, or ``None`` where bash must run it."""
+    MODULE ARGS`` (``dynamix ARGS`` is ``python -m lightning_dynamix.cli.main ARGS``; ``.venv/bin/python`` is
+    ``python``, a leading ``time`` dropped), or ``None`` where bash must run it."""
     words = _words(command)
+    if words[:1] == ["time"]:  # bash's keyword: what it times runs as it would without it
+        words = words[1:]
+    if words[:1] == [".venv/bin/python"]:  # the suite's own interpreter, the one the fork server runs
+        words = ["python", *words[1:]]
     if len(words) > 1 and words[0] == "python" and words[1].endswith(".py"):
         return words[1], words[2:], True
+    if len(words) > 2 and words[0] == "python" and words[1] == "-m":
+        return words[2], words[3:], False
     if len(words) > 1 and words[0] == "dynamix":
         return "lightning_dynamix.cli.main", words[1:], False
     return None

@@ -5,6 +5,8 @@ report their exit status, obey signals, and end with the trainer, however it end
 from __future__ import annotations
 
 import os
+import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -129,3 +131,12 @@ def test_the_launcher_ends_with_its_trainer_however_the_trainer_ends(ending):
     # a server that met its trainers ends within its check of its parent (tests/distributed/test_layer_offload.py);
     # this one, which never met them, within its --timeout
     assert _gone(server, 60), f"the server (pid {server}) outlived its --timeout"
+
+
+def test_the_start_timing_script_starts_a_server_both_ways(capfd, monkeypatch):
+    # docs/benchmarks/layer_offload.md times 5 rounds of it; one round here: both starts run and are reported
+    script = runpy.run_path(str(Path(__file__).resolve().parents[2] / "scripts" / "server_start.py"))
+    monkeypatch.setattr(sys, "argv", ["server_start.py", "--rounds", "1"])
+    script["main"]()
+    printed = capfd.readouterr().out
+    assert re.fullmatch(r"round 0: a new Python \d+\.\d\d s, forked by the launcher \d+\.\d{3} s\n", printed)
