@@ -19,6 +19,7 @@ from lightning_dynamix.control import (
     make_controller,
 )
 from lightning_dynamix.data import EmptyBatch, HeterogeneousBatchSampler, HeterogeneousDataLoader
+from lightning_dynamix.data.items import LabelTokens
 from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
 from lightning_dynamix.strategies import (
@@ -43,6 +44,7 @@ __all__ = [
     "HeterogeneousDDPStrategy",
     "HeterogeneousDataLoader",
     "HeterogeneousLayerOffloadStrategy",
+    "LabelTokens",
     "LayerOffloadStrategy",
     "PIDController",
     "PreemptionCheckpoint",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.utils.data import DataLoader
@@ -23,12 +24,14 @@ from torch.utils.data import DataLoader
 from lightning_dynamix._checks import require_int, require_optional_int
 from lightning_dynamix.control.allocation import check_within_caps, fit_within_caps, validate_batch_size_caps
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader, validate_batch_sizes
+from lightning_dynamix.data.items import ItemCounter, check_item_counter
 from lightning_dynamix.data.loader import new_sampler_for
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size
 from lightning_dynamix.distributed import (
     LossReduction,
     SyncWindowWeighting,
     WeightedAllReduceState,
+    gather_ints,
     report_gradient_norms,
     set_batch_sizes_on_every_rank,
     validate_loss_reduction,
@@ -52,7 +55,12 @@ class PerRankBatchCore:
         min_batch_size: the smallest size a rank may be given (>= 0; 0 lets a rank sit steps out); ``None``: 1,
             raised by :meth:`fit_model` to what the model's BatchNorm layers need.
         max_batch_size: the largest size a rank may be given (>= 1); ``None`` for no limit.
-        loss_reduction: ``"mean"`` if the loss averages over the rank's samples, ``"sum"`` if it sums them.
+        loss_reduction: ``"mean"`` if the loss averages over the rank's samples (or the items ``count_items``
+            counts), ``"sum"`` if it sums them.
+        count_items: ``count(batch) -> int``, the items of a batch its mean loss averages over (a language
+            model's tokens not ignored: :class:`~lightning_dynamix.LabelTokens`); every rank's count is gathered
+            before each backward (one small collective) and the gradients weighted by items, not samples.
+            ``None``: by samples.
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
         seed: seed of the global order, the same on every rank.
         drop_last: skip the incomplete last step of each epoch instead of spreading its samples.
@@ -67,7 +75,7 @@ class PerRankBatchCore:
     Raises:
         ValueError: naming the argument, the value and what is valid, for sizes that are not ints, lie outside
             ``[min_batch_size, max_batch_size]`` or a cap, or are all 0, bad bounds or caps, or an unknown
-            ``loss_reduction``.
+            ``loss_reduction``, or a ``count_items`` that is not callable.
     """
 
     def __init__(
@@ -78,6 +86,7 @@ class PerRankBatchCore:
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         loss_reduction: LossReduction = "mean",
+        count_items: ItemCounter | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
@@ -112,6 +121,7 @@ class PerRankBatchCore:
         if world_size is not None:
             self.check_world_size(world_size, ValueError)
         self.loss_reduction: LossReduction = validate_loss_reduction(loss_reduction)
+        self.count_items = check_item_counter(count_items)
         self.shuffle = bool(shuffle)
         self.seed = require_int("seed", seed, None)
         self.drop_last = bool(drop_last)
@@ -251,6 +261,7 @@ class PerRankBatchCore:
         # a framework may load the saved position more than once (Lightning does when it restarts mid-epoch)
         loader.resume = functools.partial(self.resume, sampler)
         loader.step_clock = self.hook_state.clock
+        loader.count_items = self.count_items
         self.loader = loader
         self.weighting = SyncWindowWeighting(rank, self.loss_reduction)  # a new loader starts a new window
         return loader
@@ -349,15 +360,37 @@ class PerRankBatchCore:
                 " weights come from the batch being trained."
             )
         step, sizes = loader.current_step, loader.current_batch_sizes
+        items = self.step_items(loss.device)
+        counts = sizes if items is None else items
         estimate = None
         if not weighting.window_started:
-            estimate = sum(sizes)
-            if window_end is not None:
-                estimate += loader.batch_sampler.planned_samples(step + 1, window_end)
-        factor = weighting.add_backward(step, sizes, loss_scale, estimate)
+            estimate = sum(counts)
+            if window_end is not None:  # the window's later steps: their samples at this step's items per sample
+                planned = loader.batch_sampler.planned_samples(step + 1, window_end)
+                estimate += round(planned * sum(counts) / max(sum(sizes), 1))
+        factor = weighting.add_backward(step, sizes, loss_scale, estimate, items)
         loss.register_hook(lambda grad: grad * factor)
         if syncing:
             self.hook_state.weight = weighting.sync_weight()
+
+    def step_items(self, device: torch.device) -> list[int] | None:
+        """Every rank's item count at the step being trained, where ``count_items`` was given (else ``None``): one
+        all_gather among the ranks in its backward pass (all, or those that train where the others left the step),
+        timed as a wait for the others. Call it on each of those ranks before the step's backward pass."""
+        loader = self.loader
+        if self.count_items is None or loader is None:
+            return None
+        own = loader.current_items
+        group = self.hook_state.process_group
+        if not (dist.is_available() and dist.is_initialized()):
+            return [own]
+        clock = self.hook_state.clock
+        started = clock.now() if clock is not None else None
+        gathered = gather_ints([own], device=device, group=group)
+        if clock is not None and started is not None:
+            clock.collective(started, clock.now())
+        counts = dict(zip(_group_ranks(group), (values[0] for values in gathered)))
+        return [counts.get(rank, 0) for rank in range(len(loader.current_batch_sizes))]
 
     def end_window(self) -> None:
         """After the backward pass that synchronised: report its gradient norms and start a new window."""
@@ -365,3 +398,10 @@ class PerRankBatchCore:
         if self.norm_sink is not None:
             report_gradient_norms(self.hook_state, self.weighting, self.norm_sink)
         self.weighting.reset()
+
+
+def _group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` in its order (``None``: every rank)."""
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)

@@ -43,7 +43,7 @@ if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps -d "$wheels" "torch==2.13.0"
     install "$wheels"/torch-*.whl
   fi
-  install -e ".[dev,ft]"
+  install -e ".[dev,ft,transformers]"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

@@ -9,6 +9,7 @@ from lightning_dynamix.data.ctr import (
     SyntheticCTRDataset,
     collate_ctr,
 )
+from lightning_dynamix.data.items import ItemCounter, LabelTokens
 from lightning_dynamix.data.loader import EmptyBatch, HeterogeneousDataLoader
 from lightning_dynamix.data.sampler import EpochPermutation, HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import EpochSchedule, final_step_sizes, validate_batch_sizes
@@ -35,6 +36,8 @@ __all__ = [
     "GaussianMixtureClassificationDataset",
     "HeterogeneousBatchSampler",
     "HeterogeneousDataLoader",
+    "ItemCounter",
+    "LabelTokens",
     "SyntheticCTRDataset",
     "SyntheticClassificationDataset",
     "collate_ctr",

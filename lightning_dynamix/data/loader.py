@@ -29,6 +29,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from lightning_dynamix.data.items import ItemCounter, count_of
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size, validate_batch_sizes
 
@@ -88,7 +89,7 @@ class _StepCountingIterator(Iterator[Any]):
         step = sampler._consume()
         if sampler.was_resplit(step):  # produced before a rank ran out of memory and the step was split anew
             batch = loader.batch_at(step)
-        loader._record_step(step)
+        loader._record_step(step, batch)
         if clock is not None:
             # only an epoch's final step may differ from the sizes in force (it takes what is left)
             regular = step + 1 < len(sampler) or loader._current_sizes == sampler.nominal_batch_sizes_at(step)
@@ -130,6 +131,9 @@ class HeterogeneousDataLoader(DataLoader):
         self.resume: Callable[[dict[str, Any]], None] | None = None
         """How :meth:`load_state_dict` loads a saved state (a strategy sets its resume policy here:
         the split of a job resumed on another number of ranks); default: the sampler's ``load_state_dict``."""
+        self.count_items: ItemCounter | None = None
+        """Counts the items of each batch handed out (see :attr:`current_items`); ``None``: none counted."""
+        self._current_items: int | None = None
 
     @classmethod
     def like(cls, dataloader: DataLoader, batch_sampler: HeterogeneousBatchSampler) -> HeterogeneousDataLoader:
@@ -170,12 +174,16 @@ class HeterogeneousDataLoader(DataLoader):
         step = self._current_step
         if step < 0:
             raise RuntimeError("no batch has been handed out by this DataLoader's current iterator yet")
-        self._record_step(step)
-        return self.batch_at(step)
+        batch = self.batch_at(step)
+        self._record_step(step, batch)
+        return batch
 
-    def _record_step(self, step: int) -> None:
+    def _record_step(self, step: int, batch: Any) -> None:
         self._current_step = step
         self._current_sizes = self.batch_sampler.batch_sizes_at(step)
+        if self.count_items is not None:
+            own = self._current_sizes[self.batch_sampler.rank]
+            self._current_items = 0 if own == 0 else count_of(self.count_items, batch, own)
 
     @property
     def current_step(self) -> int:
@@ -186,6 +194,17 @@ class HeterogeneousDataLoader(DataLoader):
     def sits_out(self) -> bool:
         """Whether this rank's batch size is 0 at :attr:`current_step` (it was handed an :class:`EmptyBatch`)."""
         return self._current_step >= 0 and self._current_sizes[self.batch_sampler.rank] == 0
+
+    @property
+    def current_items(self) -> int:
+        """This rank's items in the batch handed out last, as :attr:`count_items` counted them (0 where it sits out).
+
+        Raises:
+            RuntimeError: without :attr:`count_items`, or before the first batch.
+        """
+        if self.count_items is None or self._current_items is None or self._current_step < 0:
+            raise RuntimeError("no batch's items were counted: set count_items and hand out a batch first")
+        return self._current_items
 
     @property
     def current_batch_sizes(self) -> BatchSizes:

@@ -73,11 +73,14 @@ def weighted_mean_all_reduce(
     return result
 
 
-def gather_ints(values: Sequence[int], device: torch.device | None = None) -> list[list[int]]:
-    """Every rank's ``values`` (the same length on all ranks), with one all_gather."""
+def gather_ints(
+    values: Sequence[int], device: torch.device | None = None, group: dist.ProcessGroup | None = None
+) -> list[list[int]]:
+    """Every rank's ``values`` (the same length on all ranks), with one all_gather over ``group`` (default: every
+    rank), in the group's order."""
     local = torch.tensor(list(values), dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, local)
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
     return [t.tolist() for t in gathered]
 
 

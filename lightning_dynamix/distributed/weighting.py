@@ -9,6 +9,10 @@ Gradient accumulation extends the batch to every step back-propagated since the 
 synchronisation (a *window*): the all-reduced gradient is the mean over all samples of the
 window, on all ranks, even when sizes change inside the window.
 
+A loss that is a mean over *items* rather than samples (a language model's over the tokens its labels do not
+ignore) is weighted the same way with each rank's item count ``n_r`` in place of ``b_r``: the all-reduced gradient
+is then the mean over every item of the window, as one process computes it on the whole global batch.
+
 :class:`SyncWindowWeighting` applies the weights where they cost nothing: as a scalar factor on
 each backward pass (the gradient of the loss, so autograd carries it into every parameter's
 gradient with no extra pass over them). That needs the window's total sample count up front,
@@ -69,6 +73,8 @@ class SyncWindowWeighting:
         """Start a new window (after a synchronisation)."""
         self._window_samples = 0  # samples over all ranks of the distinct steps in the window
         self._window_own_samples = 0  # this rank's samples of those steps
+        self._window_items = 0  # the items a mean loss averages over (samples, or the counts given), all ranks
+        self._window_own_items = 0  # this rank's
         self._last_step: int | None = None
         self._normaliser = 0  # the window total the backward factors divided by
 
@@ -87,12 +93,23 @@ class SyncWindowWeighting:
         """This rank's samples in the steps back-propagated since the last synchronisation."""
         return self._window_own_samples
 
+    @property
+    def window_items(self) -> int:
+        """Items over all ranks in the window's steps: the ``items`` given, else the samples."""
+        return self._window_items
+
+    @property
+    def window_own_items(self) -> int:
+        """This rank's items in the window's steps: the ``items`` given, else its samples."""
+        return self._window_own_items
+
     def add_backward(
         self,
         step: int,
         batch_sizes: Sequence[int],
         loss_scale: float = 1.0,
         window_estimate: int | None = None,
+        items: Sequence[int] | None = None,
     ) -> float:
         """Record a backward pass of ``step`` and return the factor for its gradient.
 
@@ -102,30 +119,41 @@ class SyncWindowWeighting:
             batch_sizes: every rank's real batch size at that step.
             loss_scale: the factor the training loop already applied to the loss (Lightning's
                 automatic optimisation divides it by ``accumulate_grad_batches``).
-            window_estimate: at the window's first backward, the expected samples over all ranks
-                of every step up to the next synchronisation; default: this step's alone.
+            window_estimate: at the window's first backward, the expected items (samples where no ``items``
+                are given) over all ranks of every step up to the next synchronisation; default: this step's.
+            items: every rank's count of the items a mean loss averages over at that step (a language model's
+                tokens not ignored); ``None``: the samples, ``batch_sizes``.
 
         Returns:
-            ``b_r / (loss_scale * window)`` for a mean loss, ``1 / loss_scale`` for a summed one.
+            ``n_r / (loss_scale * window)`` for a mean loss (``n_r``: this rank's items, or samples),
+            ``1 / loss_scale`` for a summed one.
+
+        Raises:
+            ValueError: for ``items`` of another length than ``batch_sizes``, or a negative count.
         """
+        counts = batch_sizes if items is None else items
+        if items is not None and (len(items) != len(batch_sizes) or min(items) < 0):
+            raise ValueError(f"`items` must give every rank's count (>= 0), {len(batch_sizes)} of them, got {items}")
         if step != self._last_step:
             self._window_samples += sum(batch_sizes)
             self._window_own_samples += batch_sizes[self.rank]
+            self._window_items += sum(counts)
+            self._window_own_items += counts[self.rank]
             self._last_step = step
         if self._normaliser == 0:
-            self._normaliser = window_estimate if window_estimate is not None else sum(batch_sizes)
+            self._normaliser = window_estimate if window_estimate is not None else sum(counts)
             if self._normaliser < 1:
-                raise ValueError(f"`window_estimate` must be a positive number of samples, got {window_estimate}")
+                raise ValueError(f"`window_estimate` must be a positive number of items, got {window_estimate}")
         if self.loss_reduction == "mean":
-            return batch_sizes[self.rank] / (loss_scale * self._normaliser)
+            return counts[self.rank] / (loss_scale * self._normaliser)
         return 1.0 / loss_scale
 
     def sync_weight(self) -> float:
         """The hook's factor at this synchronisation: 1.0 unless the window's estimate was off."""
         if self._normaliser == 0:
             raise RuntimeError("sync_weight() needs at least one add_backward() in the window")
-        if self.loss_reduction == "mean" and self._normaliser != self._window_samples:
-            return self._normaliser / self._window_samples
+        if self.loss_reduction == "mean" and self._normaliser != self._window_items:
+            return self._normaliser / self._window_items
         return 1.0
 
 
@@ -138,7 +166,8 @@ def report_gradient_norms(
 
     ``sink(local_sq_norm, local_samples, global_sq_norm, global_samples)`` receives this rank's
     gradient (the mean over its own samples of the window) and the all-reduced one (over all samples),
-    whatever weights the buckets carried. Nothing happens when the hook measured no norms, or when
+    whatever weights the buckets carried; for a loss that is a mean over items, the counts and means are
+    the items'. Nothing happens when the hook measured no norms, or when
     this rank trained no sample in the window (it sat out: it has no gradient of its own).
     """
     norms = hook_state.norms
@@ -147,7 +176,7 @@ def report_gradient_norms(
     # DDP waited for every bucket's all-reduce (and so its completion callback) before backward returned
     local, reduced = torch.stack(norms.local).sum(), torch.stack(norms.reduced).sum()
     norms.clear()
-    own, total = weighting.window_own_samples, weighting.window_samples
+    own, total = weighting.window_own_items, weighting.window_items
     if own == 0:
         return
     # buckets hold (own / total) x this rank's mean gradient before the all-reduce and the global

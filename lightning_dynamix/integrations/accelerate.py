@@ -23,6 +23,7 @@ from lightning_dynamix.batch_core import PerRankBatchCore
 from lightning_dynamix.control import BatchController, Decision
 from lightning_dynamix.control.lr_scaling import validate_lr_scaling
 from lightning_dynamix.data import HeterogeneousBatchSampler, HeterogeneousDataLoader
+from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.decisions import (
     DecisionMaker,
@@ -139,6 +140,10 @@ class DynamixAccelerate:
         max_batch_size: largest size a rank may be given (>= 1); ``None`` for no limit.
         loss_reduction: ``"mean"`` if the training loss averages over the rank's samples (the
             usual case), ``"sum"`` if it sums them.
+        count_items: for a loss that is a mean over *items* (a language model's tokens): ``count(batch) -> int``,
+            the items of a batch (:class:`~lightning_dynamix.LabelTokens` counts labels not ignored); the
+            gradients are then weighted by every process's share of the global batch's items, gathered before each
+            :meth:`backward`. ``None`` (default): by samples.
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
         seed: seed of the global order; the same on every rank.
         drop_last: drop the samples of an incomplete last global batch instead of spreading them.
@@ -194,6 +199,7 @@ class DynamixAccelerate:
         min_batch_size: int | None = None,
         max_batch_size: int | None = None,
         loss_reduction: str = "mean",
+        count_items: ItemCounter | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
@@ -228,6 +234,7 @@ class DynamixAccelerate:
             min_batch_size=min_batch_size,
             max_batch_size=max_batch_size,
             loss_reduction=loss_reduction,
+            count_items=count_items,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,

@@ -28,6 +28,7 @@ from lightning_dynamix._checks import require_bool
 from lightning_dynamix._forwarding import Forwarded
 from lightning_dynamix.batch_core import GradientNormSink, PerRankBatchCore
 from lightning_dynamix.data import HeterogeneousBatchSampler
+from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.data.schedule import BatchSizes
 from lightning_dynamix.distributed import (
     BucketNorms,
@@ -85,6 +86,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             :mod:`~lightning_dynamix.strategies.memory_recovery`). ``None`` (default): wherever it can be (automatic
             optimisation, no gradient accumulation, no ``GlobalBatchNorm``); ``True``: required (an error at set-up
             where it cannot be); ``False``: never, the error ends the job.
+        count_items: for a loss that is a mean over *items* (a language model's tokens): ``count(batch) -> int``,
+            the items of a batch (:class:`~lightning_dynamix.LabelTokens` counts labels not ignored); the
+            gradients are then weighted by every rank's share of the global batch's items, gathered before each
+            backward. ``None`` (default): by samples.
         **ddp_kwargs: any other ``DDPStrategy`` argument (``process_group_backend``, ``timeout``,
             ``start_method``, ``ddp_comm_wrapper``, ``find_unused_parameters``...), except a
             custom ``ddp_comm_hook``/``ddp_comm_state`` or post-local-SGD averaging: this strategy
@@ -114,6 +119,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         drop_last: bool = False,
         batch_size_caps: Sequence[int | None] | None = None,
         recover_out_of_memory: bool | None = None,
+        count_items: ItemCounter | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         for name in _UNSUPPORTED_DDP_ARGUMENTS:
@@ -129,6 +135,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             min_batch_size=min_batch_size,
             max_batch_size=max_batch_size,
             loss_reduction=loss_reduction,
+            count_items=count_items,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,

@@ -243,9 +243,10 @@ class OutOfMemoryRecovery:
         assert loader is not None
         assert weighting is not None
         step, sizes = loader.current_step, loader.current_batch_sizes
+        items = batch_core.step_items(device)  # on every rank, those that failed too: a collective
         output = loss
         if not self.failed:
-            factor = weighting.add_backward(step, sizes, 1.0, sum(sizes))
+            factor = weighting.add_backward(step, sizes, 1.0, sum(sizes if items is None else items), items)
             loss.register_hook(lambda grad: grad * factor)
             try:
                 output = backward(loss)

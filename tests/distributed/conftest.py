@@ -32,7 +32,10 @@ def run_job(script: str, *args: object, cwd: Path, timeout: float = 300, check: 
 
 
 def import_job(name: str) -> ModuleType:
-    """The module ``jobs/<name>.py``, imported as its own (the jobs folder is not a package)."""
+    """The module ``jobs/<name>.py``, imported as its own (the jobs folder is not a package; its modules import each
+    other as the ranks do, with the folder on the path)."""
+    if str(JOBS) not in sys.path:
+        sys.path.append(str(JOBS))
     spec = importlib.util.spec_from_file_location(name, JOBS / f"{name}.py")
     assert spec is not None
     assert spec.loader is not None

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.distributed import LossReduction
 from lightning_dynamix.metrics.clocks import Mark
 from lightning_dynamix.strategies.heterogeneous_ddp import HeterogeneousDDPStrategy
@@ -43,6 +44,8 @@ class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPS
         recover_out_of_memory: ``None`` or ``False``: a trainer that runs out of memory ends the job (an
             attempt's row gradients reach the servers, so a step cannot be trained again); ``True`` is refused
             at set-up.
+        count_items: only ``None`` (weights by samples): the servers weight the rows by samples, so a
+            ``count_items`` is refused (ValueError).
         num_embedding_servers, offload, sparse_optimizer, sparse_optimizer_args, staleness, launch_servers,
             server_port, return_embeddings, prefetch_depth, trainer_threads: as for
             :class:`~lightning_dynamix.strategies.LayerOffloadStrategy`
@@ -71,8 +74,15 @@ class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPS
         drop_last: bool = False,
         batch_size_caps: Sequence[int | None] | None = None,
         recover_out_of_memory: bool | None = None,
+        count_items: ItemCounter | None = None,
         **kwargs: Any,
     ) -> None:
+        if count_items is not None:
+            raise ValueError(
+                f"`count_items` is not supported by {type(self).__name__}: the servers weight the tables' rows by"
+                f" each trainer's samples, so a loss that is a mean over items would not be exact. Got"
+                f" count_items={count_items!r}; weight by samples (count_items=None)."
+            )
         offload = offload_arguments(kwargs)  # the rest are DDP's
         super().__init__(
             batch_sizes=batch_sizes,

@@ -1,0 +1,100 @@
+"""Synthetic token sequences of varying length for a causal language model, and the collate that pads them.
+
+Nothing is downloaded: :class:`SyntheticTokenSequences` generates each sequence from its index (the same on every
+rank and run). Every sequence follows a rule a model can learn from its context, ``next = (a * token + b) mod V``
+with ``(a, b)`` drawn per sequence from a few, so a causal model's loss falls well below the uniform ``log V``.
+:func:`pad_sequences` pads a batch to its longest sequence with ``attention_mask`` and labels of -100 on padding,
+as Hugging Face's ``DataCollatorForLanguageModeling(mlm=False)`` does; the tokens a causal model's loss counts are
+then those :class:`~lightning_dynamix.data.items.LabelTokens` counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from lightning_dynamix._checks import require_int
+
+IGNORE_INDEX = -100
+"""The label a cross-entropy loss ignores (PyTorch's and Hugging Face's default): padding."""
+
+
+class SyntheticTokenSequences(Dataset):
+    """``num_samples`` token sequences of ``min_length`` to ``max_length`` tokens over a vocabulary of ``vocab_size``.
+
+    Item ``i`` is ``{"input_ids": LongTensor[length], "index": i}``, the same wherever and whenever it is read.
+
+    Args:
+        num_samples: how many sequences (>= 1).
+        vocab_size: tokens ``0 .. vocab_size - 1`` (>= 4); 0 is also the padding id of :func:`pad_sequences`,
+            where the attention mask and labels hide it.
+        min_length: the fewest tokens of a sequence (>= 2: a causal model predicts from the second on).
+        max_length: the most tokens of a sequence (>= ``min_length``).
+        rules: how many ``(a, b)`` rules the sequences are drawn from (>= 1).
+        seed: the corpus (lengths, rules, first tokens).
+
+    Raises:
+        ValueError: naming the argument and the valid range.
+    """
+
+    def __init__(
+        self,
+        num_samples: int = 1024,
+        vocab_size: int = 64,
+        min_length: int = 4,
+        max_length: int = 39,
+        rules: int = 4,
+        seed: int = 0,
+    ) -> None:
+        self.num_samples = require_int("num_samples", num_samples, 1)
+        self.vocab_size = require_int("vocab_size", vocab_size, 4)
+        self.min_length = require_int("min_length", min_length, 2)
+        self.max_length = require_int("max_length", max_length, min_length)
+        self.rules = require_int("rules", rules, 1)
+        self.seed = require_int("seed", seed, None)
+        generator = torch.Generator().manual_seed(seed)
+        self.lengths = torch.randint(min_length, max_length + 1, (num_samples,), generator=generator)
+        """Each sequence's length in tokens."""
+        odd = torch.arange(1, vocab_size, 2)  # multipliers coprime to an even vocabulary keep sequences varied
+        self._rules = torch.stack(
+            [
+                odd[torch.randint(len(odd), (rules,), generator=generator)],
+                torch.randint(vocab_size, (rules,), generator=generator),
+            ],
+            dim=1,
+        )
+        self._rule_of = torch.randint(rules, (num_samples,), generator=generator)
+        self._first = torch.randint(vocab_size, (num_samples,), generator=generator)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"index {index} is outside 0..{self.num_samples - 1}")
+        a, b = (int(v) for v in self._rules[self._rule_of[index]])
+        tokens = [int(self._first[index])]
+        for _ in range(int(self.lengths[index]) - 1):
+            tokens.append((a * tokens[-1] + b) % self.vocab_size)
+        return {"input_ids": torch.tensor(tokens, dtype=torch.long), "index": index}
+
+
+def pad_sequences(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of :class:`SyntheticTokenSequences` items padded on the right to the longest.
+
+    Returns ``input_ids`` (padded with ``pad_id``), ``attention_mask`` (1 on tokens, 0 on padding), ``labels``
+    (the tokens, :data:`IGNORE_INDEX` on padding) and ``index`` (each sample's).
+    """
+    longest = max(len(sample["input_ids"]) for sample in samples)
+    input_ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), longest), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        tokens = sample["input_ids"]
+        input_ids[row, : len(tokens)] = tokens
+        mask[row, : len(tokens)] = 1
+    labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
+    index = torch.tensor([int(sample["index"]) for sample in samples], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "index": index}

@@ -1,0 +1,62 @@
+"""A Hugging Face causal language model (padded sequences of 4-39 tokens, a loss that is the mean over the tokens
+its labels do not ignore) trains with uneven, changing per-rank sizes exactly as one process on the global
+batches, under ``DynamixAccelerate`` and ``HeterogeneousDDPStrategy``, when the gradients are weighted by tokens
+(``count_items=LabelTokens()``); weighted by samples, it does not."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="the `transformers` extra (make setup installs it)")
+
+pytestmark = pytest.mark.distributed
+
+NUM_SAMPLES = 48
+# (first sizes, decisions: (after batch, sizes)); the issue's [6, 2] -> [3, 7] -> [8, 1], and ranks sitting out
+SEQUENCES = {
+    2: ([6, 2], [(1, [3, 7]), (3, [8, 1])]),
+    3: ([2, 5, 0], [(1, [0, 6, 4]), (3, [3, 0, 7]), (5, [4, 4, 4])]),
+}
+
+
+def _worst(job, results, num_samples, accumulate):
+    expected = job.one_process([r["steps"] for r in results], num_samples, accumulate)
+    return max((result["params"][k] - expected[k]).abs().max().item() for result in results for k in expected)
+
+
+def _every_sample_once(results, epochs):
+    for epoch in range(epochs):
+        seen = sorted(i for r in results for (e, _, indices) in r["steps"] if e == epoch for i in indices)
+        assert seen == list(range(NUM_SAMPLES)), f"epoch {epoch} did not train every sample exactly once"
+
+
+@pytest.mark.parametrize(
+    ("front_end", "world_size", "accumulate"),
+    [("accelerate", 2, 1), ("accelerate", 3, 2), ("lightning", 2, 1), ("lightning", 3, 1), ("lightning", 3, 2)],
+)
+def test_weighted_by_tokens_trains_like_one_process_on_the_global_batches(pools, front_end, world_size, accumulate):
+    from tests.distributed.conftest import import_job
+
+    job = import_job("causal_lm")
+    first, plan = SEQUENCES[world_size]
+    epochs = 2
+    results = pools(world_size).run(
+        "causal_lm", front_end, first=first, plan=plan, accumulate=accumulate, by_tokens=True,
+        num_samples=NUM_SAMPLES, epochs=epochs, seed=1,
+    )  # fmt: skip
+    _every_sample_once(results, epochs)
+    assert _worst(job, results, NUM_SAMPLES, accumulate) <= 1e-6
+
+
+@pytest.mark.parametrize("front_end", ["accelerate", "lightning"])
+def test_weighted_by_samples_a_token_mean_loss_is_not_the_global_batch_s(pools, front_end):
+    # the control: today's weighting by samples differs from one process, so the test above can fail
+    from tests.distributed.conftest import import_job
+
+    job = import_job("causal_lm")
+    first, plan = SEQUENCES[2]
+    results = pools(2).run(
+        "causal_lm", front_end, first=first, plan=plan, accumulate=1, by_tokens=False, num_samples=NUM_SAMPLES,
+        epochs=1, seed=1,
+    )  # fmt: skip
+    assert _worst(job, results, NUM_SAMPLES, 1) > 1e-4
