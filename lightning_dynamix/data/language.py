@@ -58,7 +58,7 @@ class SyntheticTokenSequences(Dataset):
         generator = torch.Generator().manual_seed(seed)
         self.lengths = torch.randint(min_length, max_length + 1, (num_samples,), generator=generator)
         """Each sequence's length in tokens."""
-        odd = torch.arange(1, vocab_size, 2)  # multipliers coprime to an even vocabulary keep sequences varied
+        odd = torch.arange(1, vocab_size, 2)  # odd multipliers: a rule that maps every token to 0 is never drawn
         self._rules = torch.stack(
             [
                 odd[torch.randint(len(odd), (rules,), generator=generator)],

@@ -167,9 +167,8 @@ def test_plan_includes_what_a_step_of_the_strategy_pays_beside_the_layers_and_ke
     assert set(runner.rows) == {"embeddings.0", "embeddings.1", "embeddings.2"}
     for term in ("step_seconds", "loader_seconds", "optimizer_seconds", "trainer_row_seconds"):
         assert plan.runner[term] > 0, term
-    # a server's work per row is the difference of two timings (its pass over the rows less its pass per table):
-    # noise on a busy machine can make it 0, never less
-    assert plan.runner["server_row_seconds"] >= 0
+    # a server's work per row is not asserted: it is the difference of two timings (its pass over the rows less its
+    # pass per table), clamped at 0, which noise on a busy machine can make 0 (it is in the plan file, above)
     # how the measured terms compare (a step against a request's round trip) is this machine's noise: not asserted
     # a server's own work on its tables, timed apart, is part of what it adds to a step, and printed
     assert (

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.conftest import import_job
+
 pytest.importorskip("transformers", reason="the `transformers` extra (make setup installs it)")
 
 pytestmark = pytest.mark.distributed
@@ -35,8 +37,6 @@ def _every_sample_once(results, epochs):
     [("accelerate", 2, 1), ("accelerate", 3, 2), ("lightning", 2, 1), ("lightning", 3, 1), ("lightning", 3, 2)],
 )
 def test_weighted_by_tokens_trains_like_one_process_on_the_global_batches(pools, front_end, world_size, accumulate):
-    from tests.distributed.conftest import import_job
-
     job = import_job("causal_lm")
     first, plan = SEQUENCES[world_size]
     epochs = 2
@@ -51,8 +51,6 @@ def test_weighted_by_tokens_trains_like_one_process_on_the_global_batches(pools,
 @pytest.mark.parametrize("front_end", ["accelerate", "lightning"])
 def test_weighted_by_samples_a_token_mean_loss_is_not_the_global_batch_s(pools, front_end):
     # the control: today's weighting by samples differs from one process, so the test above can fail
-    from tests.distributed.conftest import import_job
-
     job = import_job("causal_lm")
     first, plan = SEQUENCES[2]
     results = pools(2).run(
