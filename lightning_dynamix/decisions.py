@@ -196,6 +196,8 @@ class IntervalMeter:
             "cpu_quota": summary.cpu_quota,
             "least_sync_wait": summary.least_sync_wait,
             "max_batch_size": self._batch_size_cap(batch_size_cap),
+            "work": summary.work,
+            "padding": summary.padding,
         }
         names = WorkerMetrics.float_fields()
         row = [float(batch_size), loss, *(values[name] for name in names)]
@@ -550,6 +552,8 @@ def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[
         "dynamix/lr": state.lr,
         "dynamix/bandwidth": state.bandwidth,
     }
+    if math.isfinite(state.padding):
+        metrics["dynamix/padding"] = state.padding
     if record.decision is not None:
         metrics["dynamix/lr_scale"] = record.decision.lr_scale
         for rank, size in enumerate(record.decision.batch_sizes):
@@ -565,6 +569,9 @@ def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[
             metrics[f"{prefix}/samples_per_s"] = w.samples_per_s
             metrics[f"{prefix}/own_samples_per_s"] = w.own_samples_per_s
             metrics[f"{prefix}/comm_time"] = w.comm_time
+            if math.isfinite(w.work):
+                metrics[f"{prefix}/work_per_s"] = w.work / w.step_time if w.step_time > 0 else NAN
+                metrics[f"{prefix}/padding"] = w.padding
             metrics[f"{prefix}/cpu_util"] = w.cpu_util
             metrics[f"{prefix}/mem_util"] = w.mem_util
             if math.isfinite(w.gpu_util):

@@ -27,7 +27,7 @@ from lightning_dynamix.control.allocation import (
 )
 from lightning_dynamix.control.base import Decision, validate_previous
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
-from lightning_dynamix.metrics.state import ClusterState
+from lightning_dynamix.metrics.state import ClusterState, MeanWork
 
 # relative distance between an observation and the model's prediction beyond which the rank's
 # speed is taken to have changed and its older observations are forgotten
@@ -291,6 +291,7 @@ class GoodputController:
         self.noise_gate = noise_gate
         self._base_global_batch: int | None = base_batch_size
         self._step_times = StepTimes(self.window)
+        self._work = MeanWork()
 
     @property
     def needs_gradient_noise_scale(self) -> bool:
@@ -300,6 +301,7 @@ class GoodputController:
 
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes, and the learning-rate scale for their global batch (see the module docstring)."""
+        state = self._work.observe(state)  # times per unit of work where ranks counted it (a language model's tokens)
         current = state.batch_sizes
         n = state.world_size
         if self._base_global_batch is None:
@@ -394,6 +396,7 @@ class GoodputController:
         return {
             "base_global_batch": self._base_global_batch,
             "observations": self._step_times.state_dict(),
+            "work": self._work.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -401,6 +404,7 @@ class GoodputController:
         base = state_dict.get("base_global_batch")
         self._base_global_batch = None if base is None else int(base)
         self._step_times.load_state_dict(state_dict.get("observations", []))
+        self._work.load_state_dict(state_dict.get("work", {}))
 
     def __repr__(self) -> str:
         return (

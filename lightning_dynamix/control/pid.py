@@ -26,7 +26,7 @@ from lightning_dynamix.control.allocation import (
 from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
 from lightning_dynamix.control.goodput import StepTimes, equal_time_sizes, fit_step_time
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
-from lightning_dynamix.metrics.state import ClusterState
+from lightning_dynamix.metrics.state import ClusterState, MeanWork
 
 # the smallest share a rank's weight may reach before it is split: keeps weights positive
 _MIN_SHARE = 1e-6
@@ -201,9 +201,11 @@ class PIDController:
         self._previous_error: list[float] | None = None
         self._base_global_batch: int | None = None
         self._step_times = StepTimes(_MODEL_WINDOW)
+        self._work = MeanWork()
 
     def decide(self, state: ClusterState) -> Decision:
         """New per-rank sizes from one interval's measurements (see the module docstring)."""
+        state = self._work.observe(state)  # times per unit of work where ranks counted it (a language model's tokens)
         current = state.batch_sizes
         n = state.world_size
         lower, upper = resolve_bounds(state, self.min_batch_size, self.max_batch_size)
@@ -437,6 +439,7 @@ class PIDController:
             "previous_error": None if self._previous_error is None else list(self._previous_error),
             "base_global_batch": self._base_global_batch,
             "observations": self._step_times.state_dict(),
+            "work": self._work.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -454,6 +457,7 @@ class PIDController:
         base = state_dict.get("base_global_batch")
         self._base_global_batch = None if base is None else int(base)
         self._step_times.load_state_dict(state_dict.get("observations", []))
+        self._work.load_state_dict(state_dict.get("work", {}))
 
     def __repr__(self) -> str:
         return (

@@ -15,7 +15,12 @@ import torch
 from lightning_dynamix._checks import require_int
 
 ItemCounter = Callable[[Any], int]
-"""``count(batch) -> int``: the items of ``batch`` that its loss averages over."""
+"""``count(batch) -> int``: the items of ``batch`` that its loss averages over.
+
+A counter may also have a ``positions(batch) -> tuple[int, int]`` method, as :class:`LabelTokens` has: the token
+positions the model computes (padding included) and how many of them are padding. The step clock then measures each
+rank's work in positions (what a step's time grows with) and the monitor reports the padding.
+"""
 
 
 class LabelTokens:
@@ -48,6 +53,12 @@ class LabelTokens:
         Raises:
             ValueError: where the batch holds no labels at :attr:`key`, or they are not an integer tensor.
         """
+        labels = self._labels(batch)
+        if self.shift:
+            labels = labels[..., 1:]
+        return int((labels != self.ignore_index).sum())
+
+    def _labels(self, batch: Any) -> torch.Tensor:
         try:
             labels = batch[self.key] if isinstance(batch, (Mapping, tuple, list)) else getattr(batch, str(self.key))
         except (KeyError, IndexError, AttributeError, TypeError):
@@ -59,9 +70,19 @@ class LabelTokens:
                 f"LabelTokens(key={self.key!r}) needs the labels as an integer tensor, got"
                 f" {type(labels).__name__}{'' if not isinstance(labels, torch.Tensor) else ' of ' + str(labels.dtype)}"
             )
-        if self.shift:
-            labels = labels[..., 1:]
-        return int((labels != self.ignore_index).sum())
+        return labels
+
+    def positions(self, batch: Any) -> tuple[int, int]:
+        """``(positions, padding)``: the token positions of ``batch`` the model computes (its labels' elements, padding
+        included) and how many of them are padding: the batch's ``attention_mask`` zeros where it is a mapping with
+        one, else the labels equal to :attr:`ignore_index` (which also counts a prompt masked out of the loss)."""
+        labels = self._labels(batch)
+        mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+        if isinstance(mask, torch.Tensor) and mask.shape == labels.shape:
+            padding = int((mask == 0).sum())
+        else:
+            padding = int((labels == self.ignore_index).sum())
+        return int(labels.numel()), padding
 
     def __repr__(self) -> str:
         return f"LabelTokens(key={self.key!r}, ignore_index={self.ignore_index}, shift={self.shift})"
@@ -75,6 +96,29 @@ def check_item_counter(count_items: object) -> ItemCounter | None:
             f" (e.g. lightning_dynamix.LabelTokens()), or None to weight by samples, got {count_items!r}"
         )
     return count_items  # type: ignore[return-value]
+
+
+def positions_of(count_items: ItemCounter, batch: Any) -> tuple[int, int] | None:
+    """``count_items.positions(batch)`` checked (see :data:`ItemCounter`); ``None`` for a counter without the method.
+
+    Raises:
+        ValueError: for a result that is not two ints ``0 <= padding <= positions``.
+    """
+    method = getattr(count_items, "positions", None)
+    if method is None:
+        return None
+    result = method(batch)
+    if (
+        not isinstance(result, tuple)
+        or len(result) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in result)
+        or not 0 <= result[1] <= result[0]
+    ):
+        raise ValueError(
+            f"`count_items.positions(batch)` must return (positions, padding), two ints with"
+            f" 0 <= padding <= positions, got {result!r}"
+        )
+    return result
 
 
 def count_of(count_items: ItemCounter, batch: Any, samples: int) -> int:

@@ -29,7 +29,7 @@ from torch.utils.data import (
     default_collate,
 )
 
-from lightning_dynamix.data.items import ItemCounter, count_of
+from lightning_dynamix.data.items import ItemCounter, count_of, positions_of
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size, validate_batch_sizes
 
@@ -93,7 +93,8 @@ class _StepCountingIterator(Iterator[Any]):
         if clock is not None:
             # only an epoch's final step may differ from the sizes in force (it takes what is left)
             regular = step + 1 < len(sampler) or loader._current_sizes == sampler.nominal_batch_sizes_at(step)
-            clock.data_end(loader._current_sizes[sampler.rank], regular=regular)
+            work, padding = loader._current_work
+            clock.data_end(loader._current_sizes[sampler.rank], regular=regular, work=work, padding=padding)
         return batch
 
     def __len__(self) -> int:
@@ -134,6 +135,7 @@ class HeterogeneousDataLoader(DataLoader):
         self.count_items: ItemCounter | None = None
         """Counts the items of each batch handed out (see :attr:`current_items`); ``None``: none counted."""
         self._current_items: int | None = None
+        self._current_work: tuple[int | None, int | None] = (None, None)  # (work, padding) for the step clock
 
     @classmethod
     def like(cls, dataloader: DataLoader, batch_sampler: HeterogeneousBatchSampler) -> HeterogeneousDataLoader:
@@ -184,6 +186,12 @@ class HeterogeneousDataLoader(DataLoader):
         if self.count_items is not None:
             own = self._current_sizes[self.batch_sampler.rank]
             self._current_items = 0 if own == 0 else count_of(self.count_items, batch, own)
+            # a step's work, what its time grows with: the positions computed where the counter knows them
+            positions = None if own == 0 else positions_of(self.count_items, batch)
+            if positions is not None:
+                self._current_work = positions
+            else:
+                self._current_work = (self._current_items, None)
 
     @property
     def current_step(self) -> int:

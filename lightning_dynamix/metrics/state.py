@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -52,6 +52,11 @@ class WorkerMetrics:
         max_batch_size: the largest batch this rank can train, samples: what its device memory holds
             (measured), a cap given for its machine, or a size lowered after it ran out of memory; NaN
             for no limit of its own. Every controller's decision keeps within it.
+        work: the rank's work per step, where its samples differ in size: a language model's token positions
+            (padding included) with ``count_items`` (:class:`~lightning_dynamix.data.items.LabelTokens`), else
+            the items it counts; NaN where nothing is counted. Step times are judged per unit of work
+            (:attr:`ClusterState.work_factors`), so a rank that drew long sequences does not look slow.
+        padding: the fraction of ``work`` that was padding, in [0, 1]; NaN where not known.
     """
 
     rank: int
@@ -74,6 +79,8 @@ class WorkerMetrics:
     cpu_quota: float = NAN
     least_sync_wait: float = NAN
     max_batch_size: float = NAN
+    work: float = NAN
+    padding: float = NAN
 
     @property
     def own_step_time(self) -> float:
@@ -221,6 +228,70 @@ class ClusterState:
         return sum(self.batch_sizes)
 
     @cached_property
+    def work_per_sample(self) -> float:
+        """The interval's mean work per sample over the ranks that trained (token positions per sequence); NaN unless
+        every rank that trained counted its work (and it was positive)."""
+        trained = [w for w in self.workers if w.batch_size > 0]
+        if not trained or not all(math.isfinite(w.work) and w.work > 0 for w in trained):
+            return NAN
+        return sum(w.work for w in trained) / sum(w.batch_size for w in trained)
+
+    def work_factors(self, per_sample: float | None = None) -> tuple[float, ...]:
+        """Per rank, what its times are multiplied by to stand for a batch of samples of ``per_sample`` work each.
+
+        ``b_r * per_sample / w_r``, ``w_r`` a rank's :attr:`WorkerMetrics.work` per step and ``per_sample`` by default
+        the interval's :attr:`work_per_sample`: a rank that drew longer sequences than that did more work for its
+        samples, and its time divided by that much is what its size costs it on average. 1.0 for every rank where
+        the work was not counted.
+        """
+        reference = self.work_per_sample if per_sample is None else per_sample
+        if not (math.isfinite(self.work_per_sample) and math.isfinite(reference) and reference > 0):
+            return (1.0,) * self.world_size
+        return tuple(w.batch_size * reference / w.work if w.batch_size > 0 else 1.0 for w in self.workers)
+
+    def at_mean_work(self, per_sample: float | None = None) -> ClusterState:
+        """This interval as if every rank had drawn samples of ``per_sample`` work each: what controllers decide on.
+
+        Each rank's data, compute and CPU times are multiplied by its :meth:`work_factors`, its own step with them;
+        the step then ends when the latest of them does, plus the transfer every rank waits for
+        (:attr:`transfer_time`), and each rank's ``sync_wait`` is the rest of that step. A controller's step-time
+        model (a fixed cost and a cost per sample) is then one per unit of work, and the sizes it chooses do not
+        follow the lengths each rank happened to draw. ``per_sample`` is best the job's long-run mean
+        (:class:`MeanWork`): the interval's own mean (the default) moves from one interval to the next with the
+        lengths drawn. ``self`` where the work was not counted.
+        """
+        factors = self.work_factors(per_sample)
+        if all(f == 1.0 for f in factors):
+            return self
+        transfer = self.transfer_time
+        own = [w.own_step_time * f for w, f in zip(self.workers, factors)]
+        finite = [t for t in own if math.isfinite(t)]
+        step = (max(finite) if finite else NAN) + transfer
+        workers = tuple(
+            replace(
+                w,
+                data_time=w.data_time * f,
+                compute_time=w.compute_time * f,
+                cpu_time=w.cpu_time * f,
+                step_time=step,
+                sync_wait=step - t,
+                samples_per_s=w.batch_size / step if step > 0 else NAN,
+                work=w.work * f,
+            )
+            for w, f, t in zip(self.workers, factors, own)
+        )
+        return replace(self, workers=workers)
+
+    @cached_property
+    def padding(self) -> float:
+        """The fraction of the job's work (token positions) that was padding, in [0, 1]; NaN where not known."""
+        trained = [w for w in self.workers if w.batch_size > 0]
+        if not trained or not all(math.isfinite(w.work) and math.isfinite(w.padding) for w in trained):
+            return NAN
+        total = sum(w.work for w in trained)
+        return sum(w.work * w.padding for w in trained) / total if total > 0 else NAN
+
+    @cached_property
     def step_time(self) -> float:
         """The job's step time: the slowest rank's (all ranks wait for it in the all-reduce)."""
         return max(w.step_time for w in self.workers)
@@ -354,3 +425,33 @@ class ClusterState:
             "ranks": np.clip(rows.astype(np.float32), -10.0, 10.0),
             "cluster": np.clip(np.asarray(cluster, dtype=np.float32), -10.0, 10.0),
         }
+
+
+class MeanWork:
+    """The job's mean work per sample over every interval seen (token positions per sequence): the reference a
+    controller judges each interval's times at (:meth:`ClusterState.at_mean_work`), steadier than one interval's.
+
+    A state whose ranks drew alike work per sample (data of one length, or a state already judged at a mean) is
+    taken as it is and not added, so a controller that hands its judged state to another (PPO's balancer) is
+    judged once.
+    """
+
+    def __init__(self) -> None:
+        self.work = 0.0
+        self.samples = 0.0
+
+    def observe(self, state: ClusterState) -> ClusterState:
+        """Add ``state``'s work and return it at the mean work per sample so far (``state`` where none is counted)."""
+        if all(f == 1.0 for f in state.work_factors()):
+            return state
+        trained = [w for w in state.workers if w.batch_size > 0]
+        self.work += sum(w.work for w in trained)
+        self.samples += sum(w.batch_size for w in trained)
+        return state.at_mean_work(self.work / self.samples)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"work": self.work, "samples": self.samples}
+
+    def load_state_dict(self, state_dict: dict[str, float]) -> None:
+        self.work = float(state_dict.get("work", 0.0))
+        self.samples = float(state_dict.get("samples", 0.0))

@@ -41,6 +41,10 @@ class StepRecord:
     cpu_time: float = NAN
     slowdown: float = 0.0
     """Seconds of emulated slowdown (:meth:`StepClock.slowed`) inside ``compute_time``."""
+    work: float = NAN
+    """The step's work, what its time grows with (a language model's token positions); NaN where not counted."""
+    padding: float = NAN
+    """How much of ``work`` was padding (token positions); NaN where not known."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,10 @@ class IntervalSummary:
     cpu_time: float = NAN
     cpu_quota: float = NAN
     least_sync_wait: float = NAN
+    work: float = NAN
+    """Mean work per step (token positions, padding included); NaN unless every step's was counted."""
+    padding: float = NAN
+    """The fraction of ``work`` that was padding, in [0, 1]; NaN unless every step's was known."""
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -94,6 +102,8 @@ class _PendingStep:
     comm_bytes: int
     cpu_time: float
     slowdown: float
+    work: float
+    padding: float
     marks: dict[str, Mark]
     comm_spans: list[tuple[Mark, Mark]]
     collectives: list[tuple[Mark, Mark]]
@@ -161,8 +171,13 @@ class StepClock:
         self._data_start = self.time_source.mark()
         self._cpu_start = self._cpu()
 
-    def data_end(self, batch_size: int, regular: bool = True) -> None:
+    def data_end(
+        self, batch_size: int, regular: bool = True, work: int | None = None, padding: int | None = None
+    ) -> None:
         """The DataLoader handed over a batch of ``batch_size`` samples for this rank.
+
+        ``work`` is what the step's time grows with where samples differ in size (a language model's token
+        positions, padding included), ``padding`` how much of it is padding; ``None`` where not counted.
 
         ``regular=False`` marks a step whose sizes are not the ones in force (an epoch's final step,
         which takes what is left): it is timed (:attr:`last_step`) but left out of the interval, so a
@@ -173,6 +188,8 @@ class StepClock:
             self._cpu_start = self._cpu()
         self._batch_size = batch_size
         self._regular = regular
+        self._work = NAN if work is None else float(work)
+        self._padding = NAN if padding is None else float(padding)
 
     def bucket_ready(self, num_bytes: int) -> Mark:
         """A gradient bucket of ``num_bytes`` is ready and its all-reduce starts; returns the mark."""
@@ -242,6 +259,8 @@ class StepClock:
             comm_bytes=comm_bytes,
             cpu_time=self._cpu() - self._cpu_start if self._cpu_start is not None else NAN,
             slowdown=self._slowdown,
+            work=self._work,
+            padding=self._padding,
             marks={
                 "data_start": self._data_start,
                 "data_end": self._data_end,
@@ -271,6 +290,7 @@ class StepClock:
         if n == 0:
             return IntervalSummary(self._interval_size, 0, *[NAN] * 8, cpu_quota=quota)
         synced = self._synced_steps
+        work, padding = self._sums["work"], self._sums["padding"]
         return IntervalSummary(
             batch_size=self._interval_size,
             steps=n,
@@ -285,6 +305,8 @@ class StepClock:
             cpu_time=self._sums["cpu_time"] / n,
             cpu_quota=quota,
             least_sync_wait=self._least_sync_wait,
+            work=work / n,
+            padding=padding / work if work > 0 else NAN,
         )
 
     def reset_interval(self) -> None:
@@ -337,6 +359,8 @@ class StepClock:
             regular=pending.regular,
             cpu_time=pending.cpu_time,
             slowdown=pending.slowdown,
+            work=pending.work,
+            padding=pending.padding,
         )
 
     def _reset_step(self) -> None:
@@ -348,6 +372,8 @@ class StepClock:
         self._backward_end: Mark | None = None
         self._collectives: list[tuple[Mark, Mark]] = []
         self._slowdown = 0.0
+        self._work = NAN
+        self._padding = NAN
         self._closed = False
         with self._lock:
             self._last_bucket_ready: Mark | None = None
@@ -359,16 +385,15 @@ class StepClock:
         self._steps = 0
         self._synced_steps = 0
         self._least_sync_wait = NAN
-        self._sums = dict.fromkeys(
-            ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time", "comm_time", "comm_bytes"), 0.0
-        )
+        names = ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time", "comm_time", "comm_bytes")
+        self._sums = dict.fromkeys((*names, "work", "padding"), 0.0)
 
     def _add(self, record: StepRecord) -> None:
         if record.batch_size != self._interval_size:
             self._reset_interval(record.batch_size)  # times at another size would be mixed in
         self._steps += 1
-        for name in ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time"):
-            self._sums[name] += getattr(record, name)
+        for name in ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time", "work", "padding"):
+            self._sums[name] += getattr(record, name)  # NaN (not counted) at one step makes the interval's NaN
         if record.synchronised:
             least = self._least_sync_wait
             self._least_sync_wait = record.sync_wait if math.isnan(least) else min(least, record.sync_wait)

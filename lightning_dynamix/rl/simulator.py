@@ -65,6 +65,13 @@ class Scenario:
         link_change_rate: per rank per second, how often its link slows (0: links keep their rate).
         link_change_factor: ``(low, high)``: a slowed link's rate is divided by a factor drawn in this range.
         link_change_duration: mean seconds a link stays slowed.
+        length_spread: how much samples differ in size (a language model's sequence lengths): the standard
+            deviation of the log of one sample's work relative to the mean sample's (0: all alike). A step's
+            compute grows with its work (``compute_per_sample`` is per mean sample), and every rank reports it
+            (:attr:`~lightning_dynamix.metrics.state.WorkerMetrics.work`, in mean samples).
+        length_grouped: whether a step's samples are alike in length (length-aware batching: a step draws one
+            length for all its samples); otherwise each sample's is drawn, and a step's mean varies less the more
+            samples it has.
     """
 
     world_size: int
@@ -101,6 +108,8 @@ class Scenario:
     link_change_rate: float = 0.0
     link_change_factor: tuple[float, float] = (4.0, 30.0)
     link_change_duration: float = 60.0
+    length_spread: float = 0.0
+    length_grouped: bool = False
 
     def __post_init__(self) -> None:
         n = require_int("world_size", self.world_size, 1)
@@ -149,6 +158,9 @@ class Scenario:
         require_number("link_change_rate", self.link_change_rate, 0.0)
         require_number("link_change_duration", self.link_change_duration, 0.0, low_open=True)
         self._require_factor_range("link_change_factor")
+        require_number("length_spread", self.length_spread, 0.0)
+        if not isinstance(self.length_grouped, bool):
+            raise ValueError(f"`length_grouped` must be a bool, got {self.length_grouped!r}")
 
     def _require_factor_range(self, name: str) -> None:
         """Check the ``(low, high)`` range of slowdown factors named ``name`` and store it as floats."""
@@ -468,6 +480,7 @@ class ClusterSimulator:
         self._speeds = _SpeedTrajectory(self.scenario, self.seed, self._grid)
         self._links = _LinkTrajectory(self.scenario, self.seed, self._grid)
         self._rng = np.random.default_rng([self.seed, 2])
+        self._lengths = np.random.default_rng([self.seed, 3])  # its own stream: lengths change no other draw
         self._progress = _Progress()
         state, _outcome = self.run_interval([self.scenario.initial_batch_size] * self.scenario.world_size)
         return state
@@ -542,7 +555,8 @@ class ClusterSimulator:
         links = self.link_multipliers(p.time)
 
         jitter = np.exp(s.jitter * self._rng.standard_normal((k, n)) - 0.5 * s.jitter**2)
-        compute = (np.asarray(s.step_overhead) + np.asarray(s.compute_per_sample) * run) / speeds * jitter
+        work = run * self._length_factors(run, k)  # each step's work, in mean samples
+        compute = (np.asarray(s.step_overhead) + np.asarray(s.compute_per_sample) * work) / speeds * jitter
         load = np.asarray(s.data_per_sample) * run * np.exp(0.05 * self._rng.standard_normal((k, n)))
         data = np.maximum(0.0, load - compute)
         own = data + compute
@@ -589,6 +603,7 @@ class ClusterSimulator:
                 comm_time=float(comm[r]),
                 comm_bytes=s.gradient_bytes if n > 1 else NAN,
                 bandwidth=s.gradient_bytes / float(comm[r]) if n > 1 else NAN,
+                work=float(work[:, r].mean()) if s.length_spread > 0 else NAN,
             )
             for r in range(n)
         )
@@ -620,6 +635,21 @@ class ClusterSimulator:
             noise_scale=noise,
         )
         return state, outcome
+
+    def _length_factors(self, sizes: np.ndarray, steps: int) -> np.ndarray:
+        """``(steps, ranks)``: each step's mean work per sample relative to the mean sample's (all 1 without spread).
+
+        A sample's work is lognormal with mean 1 and log-deviation ``length_spread``; the mean of ``b`` independent
+        ones is drawn as a lognormal of the same mean and variance (a step of alike samples: one draw).
+        """
+        sigma = self.scenario.length_spread
+        if sigma == 0.0:
+            return np.ones((steps, len(sizes)))
+        variance = math.expm1(sigma**2)  # of one sample's work
+        if not self.scenario.length_grouped:
+            variance = variance / np.maximum(sizes, 1.0)
+        step_sigma = np.sqrt(np.log1p(variance))
+        return np.exp(step_sigma * self._lengths.standard_normal((steps, len(sizes))) - 0.5 * step_sigma**2)
 
 
 def with_world_size(scenario: Scenario, world_size: int) -> Scenario:

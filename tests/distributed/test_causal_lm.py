@@ -58,3 +58,22 @@ def test_weighted_by_samples_a_token_mean_loss_is_not_the_global_batch_s(pools, 
         epochs=1, seed=1,
     )  # fmt: skip
     assert _worst(job, results, NUM_SAMPLES, 1) > 1e-4
+
+
+def test_every_rank_s_token_positions_and_padding_are_measured_and_gathered(pools):
+    # what balance by tokens reads: each rank's work per step (positions, padding included) and its padding
+    results = pools(2).run("causal_lm", "measured", sizes=[3, 5], num_samples=NUM_SAMPLES)
+    states = results[0]["states"]
+    assert states
+    assert all(result["states"] == states for result in results)  # gathered: the same on every rank
+    for rank, result in enumerate(results):
+        positions = [p for p, _ in result["positions"]]
+        padding = sum(pad for _, pad in result["positions"]) / sum(positions)
+        for state in states:
+            size, work, pad = state[rank]
+            assert size == [3, 5][rank]
+            assert min(positions) <= work <= max(positions)  # a mean over the interval's steps
+            assert 0 < pad < 1
+        assert padding == pytest.approx(sum(s[rank][2] for s in states) / len(states), abs=0.15)
+    job_padding = [sum(s[r][1] * s[r][2] for r in range(2)) / sum(s[r][1] for r in range(2)) for s in states]
+    assert results[0]["logged"] == pytest.approx(job_padding)  # dynamix/padding, the job's, for the loggers

@@ -24,7 +24,7 @@ from lightning_dynamix.control.allocation import (
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.control.ppo.files import PolicyFile, load_policy
 from lightning_dynamix.control.ppo.network import KEEP, apply_adjustments, balancer
-from lightning_dynamix.metrics.state import ClusterState
+from lightning_dynamix.metrics.state import ClusterState, MeanWork
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class PPOController:
         self._warned: set[str] = set()
         self.decisions = 0
         self.base_global_batch: int | None = None
+        self._work = MeanWork()
         self.finetuner = None
         if finetune:
             # stable-baselines3 and gymnasium are imported only by a controller that fine-tunes
@@ -147,6 +148,7 @@ class PPOController:
 
     def decide(self, state: ClusterState) -> Decision:
         """The policy's sizes for ``state``; the current sizes where the policy cannot decide (see the module)."""
+        state = self._work.observe(state)  # times per unit of work where ranks counted it (a language model's tokens)
         current = state.batch_sizes
         if state.world_size > self.max_world_size:
             self._warn_once(
@@ -244,6 +246,7 @@ class PPOController:
             "warned": sorted(self._warned),
             "base_global_batch": self.base_global_batch,
             "balancer": self.balancer.state_dict(),
+            "work": self._work.state_dict(),
         }
         if self.finetuner is not None:
             state["finetune"] = self.finetuner.state_dict()
@@ -257,5 +260,6 @@ class PPOController:
         self._warned = set(state_dict.get("warned", []))
         self.base_global_batch = state_dict.get("base_global_batch")
         self.balancer.load_state_dict(state_dict["balancer"])
+        self._work.load_state_dict(state_dict.get("work", {}))
         if self.finetuner is not None and "finetune" in state_dict:
             self.finetuner.load_state_dict(state_dict["finetune"])

@@ -154,3 +154,33 @@ def one_process(steps_by_rank, num_samples: int, accumulate: int) -> dict[str, t
             opt.step()
             window = []
     return _params(model)
+
+
+class PositionsSeen(Callback):
+    """Records the token positions and padding of every batch a rank trains on."""
+
+    def __init__(self) -> None:
+        self.positions: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if not trainer.strategy.batch_core.sits_out:
+            self.positions.append((batch["labels"].numel(), int((batch["attention_mask"] == 0).sum())))
+
+
+def measured(sizes: list[int], num_samples: int) -> dict:
+    """``Trainer.fit`` with ``ClusterMetricsMonitor`` and ``count_items``: every rank's work and padding as gathered."""
+    from datetime import timedelta
+
+    from lightning_dynamix.callbacks import ClusterMetricsMonitor
+    from lightning_dynamix.decisions import interval_metrics
+
+    strategy = HeterogeneousDDPStrategy(batch_sizes=sizes, timeout=timedelta(seconds=60), count_items=LabelTokens())
+    monitor = ClusterMetricsMonitor(interval=2, warmup_steps=0, gradient_noise_scale=False)
+    seen = PositionsSeen()
+    trainer = quiet_trainer(
+        devices=len(sizes), strategy=strategy, max_epochs=1, callbacks=[monitor, seen], limit_val_batches=0
+    )
+    trainer.fit(LanguageModel(num_samples))
+    states = [[(w.batch_size, w.work, w.padding) for w in record.state.workers] for record in monitor.history]
+    logged = [interval_metrics(record)["dynamix/padding"] for record in monitor.history]  # what loggers are given
+    return {"states": states, "positions": seen.positions, "logged": logged}
