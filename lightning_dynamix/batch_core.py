@@ -64,6 +64,8 @@ class PerRankBatchCore:
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
         seed: seed of the global order, the same on every rank.
         drop_last: skip the incomplete last step of each epoch instead of spreading its samples.
+        group_by_length: batch by length: each run of this many samples of the epoch's order sorted by length
+            (:class:`~lightning_dynamix.data.HeterogeneousBatchSampler`); ``None``: not.
         batch_size_caps: the largest size each rank's machine holds (``None`` entries for no cap of its own).
         world_size: the number of ranks where it is known at construction (sizes and caps are counted then);
             ``None``: checked by :meth:`check_world_size` once known.
@@ -90,6 +92,7 @@ class PerRankBatchCore:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        group_by_length: int | None = None,
         batch_size_caps: Sequence[int | None] | None = None,
         world_size: int | None = None,
         rank_word: str = "rank",
@@ -125,6 +128,7 @@ class PerRankBatchCore:
         self.shuffle = bool(shuffle)
         self.seed = require_int("seed", seed, None)
         self.drop_last = bool(drop_last)
+        self.group_by_length = require_optional_int("group_by_length", group_by_length, 2)
         self.initial_sizes: BatchSizes | None = None
         """The sizes you chose (at construction, or with :meth:`set_batch_sizes` before training)."""
         if batch_sizes is not None:
@@ -298,6 +302,7 @@ class PerRankBatchCore:
             seed=self.seed,
             drop_last=self.drop_last,
             least_batch_size=self.least_batch_size,
+            group_by_length=self.group_by_length,
             owner=self.owner,
             instead=instead,
         )

@@ -98,3 +98,49 @@ def pad_sequences(samples: Sequence[dict[str, Any]], pad_id: int = 0) -> dict[st
     labels = input_ids.masked_fill(mask == 0, IGNORE_INDEX)
     index = torch.tensor([int(sample["index"]) for sample in samples], dtype=torch.long)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "index": index}
+
+
+def sample_lengths(dataset: Any) -> list[int]:
+    """Every sample's length, for batching by length: what the dataset says, else each sample's ``input_ids`` length.
+
+    The dataset's own ``lengths`` (a sequence of ints, one per sample, as :class:`SyntheticTokenSequences` has) is
+    used where it has one, through any ``torch.utils.data.Subset`` (``random_split``); otherwise every sample is
+    read once and measured, as Hugging Face's ``LengthGroupedSampler`` does: a mapping's ``input_ids``, or the
+    sample itself where it is a tensor or a sequence.
+
+    Raises:
+        ValueError: for a sample whose length cannot be read, naming it and what would be valid.
+    """
+    from torch.utils.data import Subset
+
+    if isinstance(dataset, Subset):
+        return [sample_lengths(dataset.dataset)[i] for i in dataset.indices]  # type: ignore[index]
+    own = getattr(dataset, "lengths", None)
+    if own is not None and len(own) == len(dataset):
+        return [int(v) for v in own]
+    lengths = []
+    for index in range(len(dataset)):
+        sample = dataset[index]
+        tokens = sample.get("input_ids") if isinstance(sample, dict) else sample
+        if not isinstance(tokens, (torch.Tensor, Sequence)) or isinstance(tokens, (str, bytes)):
+            raise ValueError(
+                f"cannot read the length of sample {index} of {type(dataset).__name__} (a {type(sample).__name__}):"
+                " batching by length needs a dataset with `lengths` (one int per sample) or samples that are"
+                " mappings with `input_ids`, tensors or sequences"
+            )
+        lengths.append(len(tokens))
+    return lengths
+
+
+def grouped_by_length(order: torch.Tensor, lengths: torch.Tensor, group: int) -> torch.Tensor:
+    """``order`` with each run of ``group`` consecutive positions sorted by length, longest first (stable).
+
+    The steps of a global schedule take consecutive positions, so a step's samples then have alike lengths and
+    little padding. The groups keep the order's randomness across groups; within one, steps go from the longest
+    sequences to the shortest (the longest first: a batch that does not fit in memory shows at once).
+    """
+    groups = []
+    for start in range(0, len(order), group):
+        chunk = order[start : start + group]
+        groups.append(chunk[torch.argsort(lengths[chunk], descending=True, stable=True)])
+    return torch.cat(groups) if groups else order

@@ -264,6 +264,7 @@ def new_sampler_for(
     seed: int = 0,
     drop_last: bool = False,
     least_batch_size: int = 1,
+    group_by_length: int | None = None,
     owner: str,
     instead: str,
 ) -> HeterogeneousBatchSampler:
@@ -319,4 +320,5 @@ def new_sampler_for(
         seed=seed,
         drop_last=drop_last or dataloader.drop_last,
         least_batch_size=least_batch_size,
+        group_by_length=group_by_length,
     )

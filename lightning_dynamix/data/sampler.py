@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, Sampler
 
 from lightning_dynamix._checks import require_int, require_optional_int
+from lightning_dynamix.data.language import grouped_by_length, sample_lengths
 from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, split_exactly, validate_batch_sizes
 
 _STATE_VERSION = 2
@@ -38,7 +39,8 @@ class EpochPermutation(Sampler[int]):
     """The global order of one epoch, shared by all ranks.
 
     A permutation of ``range(num_samples)`` drawn from a generator seeded with ``seed + epoch``
-    (the identity when ``shuffle=False``). It is the ``sampler`` of a
+    (the identity when ``shuffle=False``), with each run of ``group_by_length`` positions sorted by ``lengths``
+    where both are given (:func:`~lightning_dynamix.data.language.grouped_by_length`). It is the ``sampler`` of a
     :class:`HeterogeneousBatchSampler`, so loops that call ``batch_sampler.sampler.set_epoch``
     (Lightning does) reshuffle every epoch.
     """
@@ -50,10 +52,14 @@ class EpochPermutation(Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         on_epoch_change: Callable[[int], None] | None = None,
+        group_by_length: int | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         self.num_samples = num_samples
         self.shuffle = shuffle
         self.seed = seed
+        self.group_by_length = group_by_length
+        self._lengths = None if lengths is None or group_by_length is None else torch.as_tensor(list(lengths))
         self.epoch = 0
         self._on_epoch_change = on_epoch_change
         self._order: torch.Tensor | None = None
@@ -69,15 +75,20 @@ class EpochPermutation(Sampler[int]):
 
     def _current_order(self) -> torch.Tensor:
         if self._order is None or self._order_epoch != self.epoch:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            self._order = torch.randperm(self.num_samples, generator=generator)
+            if self.shuffle:
+                generator = torch.Generator()
+                generator.manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.num_samples, generator=generator)
+            else:
+                self._order = torch.arange(self.num_samples)
+            if self._lengths is not None and self.group_by_length is not None:
+                self._order = grouped_by_length(self._order, self._lengths, self.group_by_length)
             self._order_epoch = self.epoch
         return self._order
 
     def indices(self, start: int, stop: int) -> list[int]:
         """Dataset indices at positions ``[start, stop)`` of this epoch's order."""
-        if not self.shuffle:
+        if not self.shuffle and self._lengths is None:
             return list(range(start, stop))
         return self._current_order()[start:stop].tolist()
 
@@ -146,6 +157,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             2 for a model whose BatchNorm needs more than one sample (see
             :func:`~lightning_dynamix.distributed.batch_norm.least_batch_size`); every size > 0 must be
             at least this.
+        group_by_length: batch by length: each run of this many positions of the epoch's order is sorted by the
+            samples' lengths, longest first, so a step's samples have alike lengths and little padding (``None``,
+            default: not). Several global batches (Hugging Face's ``LengthGroupedSampler`` takes 50), so the order
+            stays random across groups; see docs/transformers.md for what it costs the order's randomness.
+        lengths: every sample's length for ``group_by_length``; default: the dataset's
+            (:func:`~lightning_dynamix.data.language.sample_lengths`).
 
     Steps are counted within an epoch from 0, like Lightning's ``batch_idx``. Call
     :meth:`set_epoch` between epochs (Lightning does it through ``sampler.set_epoch``); a new
@@ -167,8 +184,19 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = False,
         least_batch_size: int = 1,
+        group_by_length: int | None = None,
+        lengths: Sequence[int] | None = None,
     ) -> None:
         num_samples = _dataset_length(data_source)
+        require_optional_int("group_by_length", group_by_length, 2)
+        if group_by_length is not None and lengths is None:
+            if isinstance(data_source, int):
+                raise ValueError(
+                    "`group_by_length` needs the samples' lengths: pass `lengths` or a dataset as `data_source`"
+                )
+            lengths = sample_lengths(data_source)
+        if lengths is not None and len(lengths) != num_samples:
+            raise ValueError(f"`lengths` must hold one length per sample ({num_samples}), got {len(lengths)}")
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         sizes = validate_batch_sizes(batch_sizes, world_size=self.world_size, min_batch_size=0)
         if num_samples < sum(sizes):
@@ -181,8 +209,14 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self.shuffle = bool(shuffle)
         self.seed = seed
         self.drop_last = bool(drop_last)
+        self.group_by_length = group_by_length
         self.sampler = EpochPermutation(
-            num_samples, shuffle=self.shuffle, seed=seed, on_epoch_change=self._on_permutation_epoch
+            num_samples,
+            shuffle=self.shuffle,
+            seed=seed,
+            on_epoch_change=self._on_permutation_epoch,
+            group_by_length=group_by_length,
+            lengths=lengths,
         )
         self.cut_world_size = self.world_size
         """The world size whose cut of every epoch this job keeps: the one it started with (see ``schedule``)."""
@@ -412,6 +446,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             "shuffle": self.shuffle,
             "seed": self.seed,
             "drop_last": self.drop_last,
+            "group_by_length": self.group_by_length,
             "epoch": self.epoch,
             "cut_world_size": self.cut_world_size,
             "first_cursor": self._schedule.first_cursor,
@@ -436,7 +471,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
 
         Raises:
             ValueError: when the state comes from a format version this code cannot read, or from
-                another dataset size, shuffle, seed or drop_last (the order would differ), or when
+                another dataset size, shuffle, seed, drop_last or group_by_length (the order would differ), or when
                 the saved global batch cannot be split over this sampler's ranks.
         """
         version = state_dict.get("version")
@@ -445,12 +480,13 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"cannot resume: the saved sampler state has format version {version!r}; this version of"
                 f" lightning-dynamix reads versions {list(_READABLE_VERSIONS)}"
             )
-        for key in ("num_samples", "shuffle", "seed", "drop_last"):
-            if state_dict[key] != getattr(self, key):
+        for key in ("num_samples", "shuffle", "seed", "drop_last", "group_by_length"):
+            if state_dict.get(key) != getattr(self, key):
                 raise ValueError(
-                    f"cannot resume: the saved sampler has {key}={state_dict[key]!r} but this one has"
+                    f"cannot resume: the saved sampler has {key}={state_dict.get(key)!r} but this one has"
                     f" {key}={getattr(self, key)!r}; the order of the samples would differ, so some would be"
-                    " trained twice and others never. Resume with the same dataset, shuffle, seed and drop_last."
+                    " trained twice and others never. Resume with the same dataset, shuffle, seed, drop_last and"
+                    " group_by_length."
                 )
         saved_world = int(state_dict["world_size"])
         cut = int(state_dict.get("cut_world_size", saved_world))

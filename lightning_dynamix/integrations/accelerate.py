@@ -147,6 +147,10 @@ class DynamixAccelerate:
         shuffle: draw every epoch's global order at random (from ``seed`` and the epoch).
         seed: seed of the global order; the same on every rank.
         drop_last: drop the samples of an incomplete last global batch instead of spreading them.
+        group_by_length: batch by length (a language model's sequences): each run of this many samples of the
+            epoch's order is sorted by length, longest first, so a step's samples have alike lengths and little
+            padding; several global batches (e.g. 50x). Lengths are the dataset's ``lengths`` or each sample's
+            ``input_ids``. ``None`` (default): not. See docs/transformers.md.
         controller: ``None`` (sizes change only through :meth:`set_batch_sizes`), a controller name
             (``"static"``, ``"pid"``, ``"goodput"``, ``"ppo"``: the policy that ships with
             the package) or an object with ``decide(state) -> Decision``,
@@ -203,6 +207,7 @@ class DynamixAccelerate:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        group_by_length: int | None = None,
         controller: str | BatchController | None = None,
         interval: int = 10,
         warmup_steps: int = 5,
@@ -238,6 +243,7 @@ class DynamixAccelerate:
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            group_by_length=group_by_length,
             batch_size_caps=batch_size_caps,
             world_size=accelerator.num_processes,
             rank_word="process",

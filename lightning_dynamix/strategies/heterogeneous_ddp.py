@@ -90,6 +90,10 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             the items of a batch (:class:`~lightning_dynamix.LabelTokens` counts labels not ignored); the
             gradients are then weighted by every rank's share of the global batch's items, gathered before each
             backward. ``None`` (default): by samples.
+        group_by_length: batch by length (a language model's sequences): each run of this many samples of the
+            epoch's order is sorted by length, longest first, so a step's samples have alike lengths and little
+            padding; several global batches (e.g. 50x). Lengths are the dataset's ``lengths`` or each sample's
+            ``input_ids``. ``None`` (default): not. See docs/transformers.md.
         **ddp_kwargs: any other ``DDPStrategy`` argument (``process_group_backend``, ``timeout``,
             ``start_method``, ``ddp_comm_wrapper``, ``find_unused_parameters``...), except a
             custom ``ddp_comm_hook``/``ddp_comm_state`` or post-local-SGD averaging: this strategy
@@ -120,6 +124,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         batch_size_caps: Sequence[int | None] | None = None,
         recover_out_of_memory: bool | None = None,
         count_items: ItemCounter | None = None,
+        group_by_length: int | None = None,
         **ddp_kwargs: Any,
     ) -> None:
         for name in _UNSUPPORTED_DDP_ARGUMENTS:
@@ -139,6 +144,7 @@ class HeterogeneousDDPStrategy(DDPStrategy):
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
+            group_by_length=group_by_length,
             batch_size_caps=batch_size_caps,
             world_size_hint=" (devices x num_nodes)",
             setup_error=MisconfigurationException,

@@ -14,6 +14,7 @@ from lightning_dynamix import LabelTokens
 from lightning_dynamix.batch_core import PerRankBatchCore
 from lightning_dynamix.control import GoodputController, PIDController, PPOController
 from lightning_dynamix.control.allocation import arrival_times
+from lightning_dynamix.data import HeterogeneousBatchSampler
 from lightning_dynamix.data.items import positions_of
 from lightning_dynamix.data.language import IGNORE_INDEX, SyntheticTokenSequences, pad_sequences
 from lightning_dynamix.metrics import ClusterState, StepClock, WorkerMetrics
@@ -137,3 +138,52 @@ def test_the_sizes_controllers_choose_do_not_follow_the_lengths_drawn(make):
     control = max(abs(share - 0.25) for seed in range(3) for share in _slow_rank_shares(make(), seed, False))
     assert worst <= 0.03, f"a share off the balanced 0.25 by {worst:.3f}"
     assert control > 0.05  # judged per sample, the split follows the lengths: the test can fail
+
+
+def _padding(batches) -> float:
+    positions = sum(batch["labels"].numel() for batch in batches)
+    return sum(int((batch["attention_mask"] == 0).sum()) for batch in batches) / positions
+
+
+def _epoch(core, data, rank):
+    loader = core.training_loader(DataLoader(data, batch_size=4, collate_fn=pad_sequences), rank, 2, "")
+    loader.batch_sampler.set_epoch(1)
+    return list(loader)
+
+
+@pytest.mark.parametrize("front_end", ["HeterogeneousDDPStrategy", "DynamixAccelerate"])
+def test_batching_by_length_cuts_padding_and_still_trains_every_sample_once(front_end):
+    data = SyntheticTokenSequences(300, seed=5)
+    batches = {}
+    for group in (None, 64):
+        cores = [PerRankBatchCore(front_end, [5, 11], group_by_length=group, world_size=2) for _ in range(2)]
+        batches[group] = [_epoch(core, data, rank) for rank, core in enumerate(cores)]
+        seen = sorted(i for rank in batches[group] for batch in rank for i in batch["index"].tolist())
+        assert seen == list(range(300))
+    plain, grouped = (_padding([b for rank in batches[g] for b in rank]) for g in (None, 64))
+    assert grouped < plain / 3  # 4-39 tokens at random: 40 % padding; groups of 4 steps: 10 %
+
+
+def test_groups_sort_each_run_of_the_order_by_length_and_keep_it_random_across_groups():
+    lengths = [int(v) for v in SyntheticTokenSequences(200, seed=6).lengths]
+    sampler = HeterogeneousBatchSampler(200, [8, 8], rank=0, world_size=2, group_by_length=50, lengths=lengths)
+    order = sampler.sampler.indices(0, 200)
+    for start in range(0, 200, 50):
+        group = [lengths[i] for i in order[start : start + 50]]
+        assert group == sorted(group, reverse=True)
+    other = HeterogeneousBatchSampler(200, [8, 8], rank=0, world_size=2, group_by_length=50, lengths=lengths)
+    other.set_epoch(1)
+    assert sorted(other.sampler.indices(0, 50)) != sorted(order[:50])  # another epoch, other groups
+
+
+def test_batching_by_length_is_checked_and_resumes_only_into_the_same_grouping():
+    data = SyntheticTokenSequences(40)
+    with pytest.raises(ValueError, match=r"`group_by_length` must be None or an int >= 2, got 1"):
+        PerRankBatchCore("DynamixAccelerate", [2, 2], group_by_length=1)
+    with pytest.raises(ValueError, match=r"`lengths` must hold one length per sample \(40\), got 3"):
+        HeterogeneousBatchSampler(data, [2, 2], rank=0, world_size=2, group_by_length=8, lengths=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"cannot read the length of sample 0 of list"):
+        HeterogeneousBatchSampler([1.0] * 40, [2, 2], rank=0, world_size=2, group_by_length=8)
+    saved = HeterogeneousBatchSampler(data, [2, 2], rank=0, world_size=2, group_by_length=8).state_dict()
+    with pytest.raises(ValueError, match=r"saved sampler has group_by_length=8 but this one has group_by_length=None"):
+        HeterogeneousBatchSampler(data, [2, 2], rank=0, world_size=2).load_state_dict(saved)
