@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import statistics
 from typing import Any
 
@@ -134,6 +135,10 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             if oracle is None
             else statistics.median(rates) / oracle["best_samples_per_second"],
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
+            # the language model's: token positions per second (padding included), against their ideal, and padding
+            "tokens_per_second_rounds": [_work_after(r, half, "work_throughput") for r in results],
+            "tokens_to_ideal_second_half": statistics.median(_work_ratio_after(r, half) for r in results),
+            "padding_second_half": statistics.median(_work_after(r, half, "padding") for r in results),
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
             # each rank's sizes over the second half, per round: how far the controller kept moving them
             "size_spread_second_half": [size_spread(r, half) for r in results],
@@ -211,6 +216,12 @@ def _report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
             f"  {row['throughput_to_ideal_second_half']:>7.3f}"
         )
+        if args.architecture == "causal-lm":
+            tokens = ", ".join(f"{v:.0f}" for v in row["tokens_per_second_rounds"])
+            print(
+                f"{'':>10}  tokens/s, second half (rounds): {tokens}; / ideal {row['tokens_to_ideal_second_half']:.3f};"
+                f" padding {100 * row['padding_second_half']:.1f}%"
+            )
         spreads = [spread for spread in row["size_spread_second_half"] if spread]
         if spreads:
             worst = max(rank["of_global_batch"] for spread in spreads for rank in spread)
@@ -298,6 +309,21 @@ def _after_settling(result: RunResult, change: int | None, interval: int, settli
 
 def _or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _work_after(result: RunResult, step: int, key: str) -> float:
+    """The median of the intervals' ``key`` after ``step`` (NaN where the work was not counted)."""
+    values = [i[key] for i in result.intervals if i["step"] > step and math.isfinite(i.get(key, math.nan))]
+    return statistics.median(values) if values else math.nan
+
+
+def _work_ratio_after(result: RunResult, step: int) -> float:
+    ratios = [
+        i["work_throughput"] / i["ideal_work_throughput"]
+        for i in result.intervals
+        if i["step"] > step and i.get("ideal_work_throughput", math.nan) > 0
+    ]
+    return statistics.median(ratios) if ratios else math.nan
 
 
 def _ratio_after(result: RunResult, step: int) -> float:

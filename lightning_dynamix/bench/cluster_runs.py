@@ -73,14 +73,23 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, batch_size: int, cont
         "--hidden",
         type=int,
         default=None,
-        help="width of the classifier's layers (default 768); the resnet's first stage (default 16)",
+        help="width of the classifier's layers (default 768); the resnet's first stage (default 16); the causal-lm's"
+        " model width (default 128)",
     )
     parser.add_argument(
         "--architecture",
-        choices=ARCHITECTURES,
+        choices=(*ARCHITECTURES, "causal-lm"),
         default="mlp",
         help="the classifier: mlp (default), a small transformer encoder (another model family), or resnet (a"
-        " ResNet-style network with BatchNorm on synthetic images)",
+        " ResNet-style network with BatchNorm on synthetic images); or causal-lm, a causal transformer language"
+        " model on token sequences of 4-39 tokens, gradients weighted by tokens",
+    )
+    parser.add_argument(
+        "--group-by-length",
+        type=int,
+        default=None,
+        help="causal-lm: batches of alike lengths, each run of this many samples of the order sorted by length"
+        " (HeterogeneousDDPStrategy(group_by_length=N)); default: sequences at random",
     )
     parser.add_argument(
         "--sync-batchnorm",
@@ -122,7 +131,7 @@ def hidden_width(args: argparse.Namespace) -> int:
     """``--hidden``, or the architecture's default width."""
     if args.hidden is not None:
         return args.hidden
-    return 16 if args.architecture == "resnet" else 768
+    return {"resnet": 16, "causal-lm": 128}.get(args.architecture, 768)
 
 
 def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:
@@ -140,6 +149,7 @@ def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:
         schedule=args.schedule,
         links=args.links,
         load_changes=args.load_changes,
+        group_by_length=args.group_by_length,
         **fields,
     )
 
@@ -163,6 +173,11 @@ def check_machine(args: argparse.Namespace) -> None:
     """``--links`` as rates and the schedule split into the emulator's factors (``args.schedule``) and the machine's
     changes (``args.load_changes``), each checked against the run and this machine: a ``SystemExit`` saying what
     is wrong."""
+    if args.group_by_length is not None and (args.architecture != "causal-lm" or args.group_by_length < 2):
+        raise SystemExit(
+            f"--group-by-length needs --architecture causal-lm and at least 2 samples, got {args.group_by_length}"
+            f" with --architecture {args.architecture}"
+        )
     try:
         if args.links is not None:
             args.links = tuple(parse_links(args.links, len(args.speeds)))

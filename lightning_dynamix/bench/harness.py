@@ -33,6 +33,7 @@ from lightning_dynamix.bench.cluster import node_environment
 from lightning_dynamix.bench.load import HOSTS_ENV, LoadChange, LoadSchedule
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data.images import ImageClassificationDataModule
+from lightning_dynamix.data.items import LabelTokens
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
 from lightning_dynamix.strategies import HeterogeneousDDPStrategy
 
@@ -68,7 +69,9 @@ class RunConfig:
         hidden: width of the classifier's hidden layers (the transformer's model width).
         architecture: ``"mlp"``, ``"transformer"`` or ``"resnet"``
             (:class:`~lightning_dynamix.data.workloads.ClassificationTask`; the resnet trains on the images of
-            :class:`~lightning_dynamix.data.images.ImageClassificationDataModule`).
+            :class:`~lightning_dynamix.data.images.ImageClassificationDataModule`), or ``"causal-lm"``
+            (:class:`~lightning_dynamix.data.language_task.CausalLanguageTask` on token sequences of 4-39 tokens,
+            gradients weighted by tokens: ``count_items=LabelTokens()``).
         sync_batchnorm: the Trainer's ``sync_batchnorm``: BatchNorm over the global batch.
         depth: hidden layers of the MLP, encoder layers of the transformer.
         optimizer: ``"sgd"`` (momentum 0.9) or ``"adam"``.
@@ -82,6 +85,8 @@ class RunConfig:
         links: each rank's host link rate in Mbit/s (``None``: no limit): every rank then runs on a host of its
             own (:class:`~lightning_dynamix.bench.hosts.Hosts`, needs root), launched by the calling process;
             ``None``: the ranks share this machine's loopback, launched by Lightning.
+        group_by_length: ``causal-lm``: the strategy's ``group_by_length`` (batches of alike lengths); ``None``: not.
+        target_loss: time to target is to this validation loss instead of ``target_accuracy``; ``None``: accuracy.
     """
 
     controller: str = "pid"
@@ -112,6 +117,8 @@ class RunConfig:
     links: tuple[float | None, ...] | None = None
     load_changes: tuple[LoadChange, ...] = ()
     pid_max_global_batch: int | None = None
+    group_by_length: int | None = None
+    target_loss: float | None = None
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -124,6 +131,7 @@ class RunResult:
     Attributes:
         throughput_to_ideal: median over the measured intervals of achieved samples/s divided by
             the ideal ``sum_r s_r`` measured in the same interval.
+        work_to_ideal: the same in work (``causal-lm``: token positions per second); NaN where it was not counted.
         time_to_target: training seconds until validation accuracy first reached the target
             (``None`` if it never did).
         final_accuracy: validation accuracy at the end.
@@ -140,6 +148,7 @@ class RunResult:
     time_to_target: float | None
     final_accuracy: float
     intervals: list[dict[str, Any]] = field(default_factory=list)
+    work_to_ideal: float = math.nan
     accuracy: list[dict[str, float]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -175,8 +184,11 @@ class TrainingClock(Callback):
         self._validation_seconds += now - self._validation_start
         self._validation_start = None
         self._validations.append((now - self._start, self._validation_seconds))
-        accuracy = float(trainer.callback_metrics["val_acc"])
-        self.points.append({"seconds": self.elapsed(now), "step": trainer.global_step, "accuracy": accuracy})
+        metrics = trainer.callback_metrics
+        point = {"seconds": self.elapsed(now), "step": trainer.global_step, "accuracy": float(metrics["val_acc"])}
+        if "val_loss" in metrics:
+            point["loss"] = float(metrics["val_loss"])
+        self.points.append(point)
 
     @override
     def on_train_batch_end(
@@ -227,6 +239,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     so each can take the same next step of a search (the other figures are rank 0's own).
     """
     hosted = _HOST_RANK in os.environ
+    language = config.architecture == "causal-lm"
     if config.links is not None and not hosted:
         return _run_on_hosts(config)
     world = len(config.speeds)
@@ -257,6 +270,8 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
             min_batch_size=config.min_batch_size,
             seed=config.seed,
             timeout=timedelta(seconds=120),
+            count_items=LabelTokens() if language else None,
+            group_by_length=config.group_by_length,
         ),
         max_epochs=config.epochs,
         max_steps=config.max_steps,
@@ -269,19 +284,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    images = config.architecture == "resnet"
-    data_module = ImageClassificationDataModule if images else ClassificationDataModule
-    data: LightningDataModule = data_module(
-        num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
-    )
-    model = ClassificationTask(
-        hidden=config.hidden,
-        depth=config.depth,
-        lr=config.lr,
-        optimizer=config.optimizer,  # type: ignore[arg-type]
-        architecture=config.architecture,  # type: ignore[arg-type]
-        seed=config.seed,
-    )
+    data, model = _workload(config)
     trainer.fit(model, datamodule=data)
     if not trainer.is_global_zero and not on_every_rank:
         return None
@@ -303,12 +306,25 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
                 "least_sync_wait": [w.least_sync_wait for w in state.workers],
                 "throughput": state.throughput,
                 "ideal_throughput": state.ideal_throughput,
+                "work": [w.work for w in state.workers],
+                "padding": state.padding,
+                # work per second (tokens), achieved and ideal: each rank's speed in samples times its work per sample
+                "work_throughput": sum(w.work for w in state.workers if w.batch_size > 0) / state.step_time,
+                "ideal_work_throughput": sum(
+                    s * w.work / w.batch_size for s, w in zip(state.rank_speeds, state.workers) if w.batch_size > 0
+                ),
                 "gradient_noise_scale": state.gradient_noise_scale,
                 "lr": state.lr,
             }
         )
     ratios = [i["throughput"] / i["ideal_throughput"] for i in intervals if i["ideal_throughput"] > 0]
-    target = next((p for p in clock.points if p["accuracy"] >= config.target_accuracy), None)
+    work_ratios = [
+        i["work_throughput"] / i["ideal_work_throughput"] for i in intervals if i["ideal_work_throughput"] > 0
+    ]
+    if config.target_loss is not None:
+        target = next((p for p in clock.points if p.get("loss", math.inf) <= config.target_loss), None)
+    else:
+        target = next((p for p in clock.points if p["accuracy"] >= config.target_accuracy), None)
     return RunResult(
         config=asdict(config),
         train_seconds=clock.train_seconds,
@@ -319,7 +335,36 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         final_accuracy=clock.points[-1]["accuracy"] if clock.points else math.nan,
         intervals=intervals,
         accuracy=clock.points,
+        work_to_ideal=statistics.median(work_ratios) if work_ratios else math.nan,
     )
+
+
+def _workload(config: RunConfig) -> tuple[LightningDataModule, LightningModule]:
+    """The run's data and model: the classification workload of its architecture, or the language model."""
+    if config.architecture == "causal-lm":
+        from lightning_dynamix.data.language_task import CausalLanguageTask, TokenSequenceDataModule
+
+        language_data = TokenSequenceDataModule(
+            num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
+        )
+        task = CausalLanguageTask(
+            hidden=config.hidden, depth=config.depth, lr=config.lr, optimizer=config.optimizer, seed=config.seed
+        )
+        return language_data, task
+    images = config.architecture == "resnet"
+    data_module = ImageClassificationDataModule if images else ClassificationDataModule
+    data: LightningDataModule = data_module(
+        num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
+    )
+    model = ClassificationTask(
+        hidden=config.hidden,
+        depth=config.depth,
+        lr=config.lr,
+        optimizer=config.optimizer,  # type: ignore[arg-type]
+        architecture=config.architecture,  # type: ignore[arg-type]
+        seed=config.seed,
+    )
+    return data, model
 
 
 def _run_on_hosts(config: RunConfig) -> RunResult:

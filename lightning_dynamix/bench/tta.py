@@ -35,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="runs per controller, seeds 0..N-1 (default 3)")
     parser.add_argument("--epochs", type=int, default=10, help="training epochs per run (default 10)")
     parser.add_argument("--target-accuracy", type=float, default=0.85, help="accuracy to time (default 0.85)")
+    parser.add_argument(
+        "--target-loss",
+        type=float,
+        default=None,
+        help="time to this validation loss instead of --target-accuracy (causal-lm: the token-mean loss)",
+    )
     parser.add_argument("--lr", type=float, default=0.1, help="learning rate at the initial global batch (default 0.1)")
     parser.add_argument("--depth", type=int, default=2, help="MLP hidden layers or transformer layers (default 2)")
     parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default sgd (momentum 0.9)")
@@ -122,6 +128,7 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
         depth=args.depth,
         optimizer=args.optimizer,
         target_accuracy=args.target_accuracy,
+        target_loss=args.target_loss,
         pid_max_global_batch=args.pid_max_global_batch,
     )
     best: tuple[int, ...] | None = None
@@ -164,6 +171,7 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "median_final_accuracy": median_or([r.final_accuracy for r in runs]),
             "median_train_seconds": median_or([r.train_seconds for r in runs]),
             "median_throughput_to_ideal": median_or([r.throughput_to_ideal for r in runs]),
+            "median_work_to_ideal": median_or([r.work_to_ideal for r in runs]),
         }
     best_fixed = None
     if args.oracle_global_batches:  # the fixed global batch that reached the target first, in every run
@@ -190,6 +198,7 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
         "schedule": [list(c) for c in args.schedule],
         "load_changes": [dataclasses.asdict(c) for c in args.load_changes],
         "target_accuracy": args.target_accuracy,
+        "target_loss": args.target_loss,
         "controllers": table,
         "runs": {c: [r.as_dict() for r in rs] for c, rs in results.items()},
         "machine": machine_description(),
@@ -212,7 +221,7 @@ def _report(args: argparse.Namespace, output: dict[str, Any]) -> None:
     print(
         f"\ndynamix bench tta: {model}, speeds {list(args.speeds)} ({args.contention}){changes},{links_header(args)}"
         f" {args.epochs} epochs,"
-        f" target accuracy {args.target_accuracy}, {args.seeds} seeds (medians)"
+        f" target {_target(args)}, {args.seeds} seeds (medians)"
     )
     if output["best_fixed"] is not None:
         best = output["fixed_runs"][output["best_fixed"]]
@@ -229,6 +238,7 @@ def _report(args: argparse.Namespace, output: dict[str, Any]) -> None:
         f"  {'training time (s)':>17}  {'samples/s':>9}  {'of best fixed':>13}"
         + (f"  {'time / best fixed':>17}" if timed else "")
         + f"  {'throughput / ideal':>18}"
+        + (f"  {'tokens/s / ideal':>16}" if args.architecture == "causal-lm" else "")
     )
     for controller, row in output["controllers"].items():
         fraction = row.get("fraction_of_best_fixed_split")
@@ -240,7 +250,13 @@ def _report(args: argparse.Namespace, output: dict[str, Any]) -> None:
             f"  {_cell(row['median_samples_per_second'], '.0f'):>9}  {_cell(fraction, '.3f'):>13}"
             + (f"  {_cell(of_time, '.3f'):>17}" if timed else "")
             + f"  {_cell(row['median_throughput_to_ideal'], '.3f'):>18}"
+            + (f"  {_cell(row['median_work_to_ideal'], '.3f'):>16}" if args.architecture == "causal-lm" else "")
         )
+
+
+def _target(args: argparse.Namespace) -> str:
+    """What time to target is timed to: a validation loss or accuracy."""
+    return f"loss {args.target_loss}" if args.target_loss is not None else f"accuracy {args.target_accuracy}"
 
 
 def _cell(value: float | None, spec: str) -> str:

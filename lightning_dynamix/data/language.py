@@ -114,10 +114,11 @@ def sample_lengths(dataset: Any) -> list[int]:
     from torch.utils.data import Subset
 
     if isinstance(dataset, Subset):
-        return [sample_lengths(dataset.dataset)[i] for i in dataset.indices]  # type: ignore[index]
+        parent = sample_lengths(dataset.dataset)
+        return [parent[i] for i in dataset.indices]
     own = getattr(dataset, "lengths", None)
     if own is not None and len(own) == len(dataset):
-        return [int(v) for v in own]
+        return [int(v) for v in (own.tolist() if isinstance(own, torch.Tensor) else own)]
     lengths = []
     for index in range(len(dataset)):
         sample = dataset[index]

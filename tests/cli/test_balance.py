@@ -302,3 +302,30 @@ def test_bench_balance_with_each_rank_on_a_host_of_its_own_link_is_bound_by_the_
 def test_bench_balance_refuses_bad_links_naming_the_value(tmp_path, links, message):
     error = dynamix_here("bench", "balance", "--speeds", "1,1", "--links", links, cwd=tmp_path, fails=True)
     assert message in error
+
+
+def test_bench_balance_and_tta_train_the_language_model_weighted_by_tokens(tmp_path):
+    out = tmp_path / "lm.json"
+    dynamix(
+        "bench", "balance", "--architecture", "causal-lm", "--hidden", "16", "--speeds", "1,3",
+        "--controllers", "static", "--batch-size", "8", "--steps", "12", "--interval", "3", "--group-by-length", "64",
+        "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["config"]["group_by_length"] == 64
+    row = result["controllers"]["static"]
+    assert all(rate > 0 for rate in row["tokens_per_second_rounds"])
+    assert 0 < row["tokens_to_ideal_second_half"] <= 1.05
+    assert 0 <= row["padding_second_half"] < 0.2  # alike lengths: 4-39 tokens at random pad ~40 %
+    interval = result["runs"]["static"][0][-1]
+    assert all(work > 0 for work in interval["work"])  # token positions per step, every rank
+    printed = dynamix(
+        "bench", "tta", "--architecture", "causal-lm", "--hidden", "16", "--depth", "1", "--controllers", "static",
+        "--seeds", "1", "--epochs", "1", "--num-samples", "256", "--batch-size", "16", "--optimizer", "adam",
+        "--lr", "0.003", "--target-loss", "4.8", cwd=tmp_path,
+    )  # fmt: skip
+    assert "causal-lm (hidden 16" in printed
+    assert "target loss 4.8" in printed
+    assert "tokens/s / ideal" in printed
+    failed = dynamix_fails("bench", "balance", "--group-by-length", "64", cwd=tmp_path)
+    assert "--group-by-length needs --architecture causal-lm" in failed
