@@ -166,8 +166,10 @@ def report_gradient_norms(
 
     ``sink(local_sq_norm, local_samples, global_sq_norm, global_samples)`` receives this rank's
     gradient (the mean over its own samples of the window) and the all-reduced one (over all samples),
-    whatever weights the buckets carried; for a loss that is a mean over items, the counts and means are
-    the items'. Nothing happens when the hook measured no norms, or when
+    whatever weights the buckets carried; for a loss that is a mean over items, the means are the items', but
+    the counts stay samples: the noise scale is then in samples, the unit of the batch sizes the controllers
+    compare it with (a sample's tokens are not independent draws, so tokens would not be the units of the
+    estimate either). Nothing happens when the hook measured no norms, or when
     this rank trained no sample in the window (it sat out: it has no gradient of its own).
     """
     norms = hook_state.norms
@@ -183,4 +185,5 @@ def report_gradient_norms(
     # mean after it ("mean" losses); summed losses give own x and total x the means
     mean = weighting.loss_reduction == "mean"
     local_scale, global_scale = (total / own, 1.0) if mean else (1.0 / own, 1.0 / total)
-    sink(local * local_scale**2, own, reduced * global_scale**2, total)
+    samples, own_samples = weighting.window_samples, weighting.window_own_samples
+    sink(local * local_scale**2, own_samples, reduced * global_scale**2, samples)

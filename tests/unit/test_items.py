@@ -99,3 +99,19 @@ def test_the_layer_offload_strategy_refuses_weights_by_items():
 
     with pytest.raises(ValueError, match="`count_items` is not supported by HeterogeneousLayerOffloadStrategy"):
         HeterogeneousLayerOffloadStrategy(count_items=LabelTokens(), num_embedding_servers=1)
+
+
+def test_weighted_by_items_the_gradient_norms_are_the_items_means_counted_in_samples():
+    # the noise scale stays in samples, the unit of the batch sizes it is compared with
+    from lightning_dynamix.distributed import BucketNorms, WeightedAllReduceState, report_gradient_norms
+
+    weighting = SyncWindowWeighting(rank=0)
+    weighting.add_backward(0, [2, 3], items=[10, 30])
+    state = WeightedAllReduceState()
+    state.norms = BucketNorms([torch.tensor(1.0)], [torch.tensor(9.0)])  # the bucket held 10/40 of rank 0's mean
+    reported = []
+    report_gradient_norms(state, weighting, lambda *values: reported.append(values))
+    ((local, own, reduced, total),) = reported
+    assert (own, total) == (2, 5)
+    assert local.item() == pytest.approx(16.0)  # (40 / 10)^2: rank 0's own mean gradient's squared norm
+    assert reduced.item() == pytest.approx(9.0)
