@@ -5,6 +5,7 @@ from lightning_dynamix.distributed.collectives import (
     gather_floats,
     gather_ints,
     let_backend_threads_finish,
+    mean_by_counts_all_reduce,
     set_batch_sizes_on_every_rank,
     weighted_mean_all_reduce,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "gather_ints",
     "job_environment",
     "let_backend_threads_finish",
+    "mean_by_counts_all_reduce",
     "report_gradient_norms",
     "set_batch_sizes_on_every_rank",
     "training_ranks_groups",

@@ -73,6 +73,21 @@ def weighted_mean_all_reduce(
     return result
 
 
+def mean_by_counts_all_reduce(tensor: torch.Tensor, count: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The mean of ``tensor`` over the ranks of ``group`` (default: all), each rank's weighted by its ``count``:
+    ``sum_r count_r * tensor_r / sum_r count_r``, with one all-reduce of the products and the count (float64).
+
+    For a value that is a mean over a rank's items (a language model's tokens), it is the mean over every rank's
+    items, without knowing the others' counts beforehand. Returns a new floating tensor of ``tensor``'s shape (NaN
+    where every count is 0); ``tensor`` is left untouched.
+    """
+    flat = tensor.detach().reshape(-1).double()
+    packed = torch.cat([flat * count, flat.new_tensor([float(count)])])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    result = (packed[:-1] / packed[-1]).reshape(tensor.shape)
+    return result.to(tensor.dtype) if tensor.is_floating_point() else result
+
+
 def gather_ints(
     values: Sequence[int], device: torch.device | None = None, group: dist.ProcessGroup | None = None
 ) -> list[list[int]]:

@@ -38,6 +38,7 @@ from lightning_dynamix.distributed import (
     BucketNorms,
     WeightedAllReduceState,
     let_backend_threads_finish,
+    mean_by_counts_all_reduce,
     set_batch_sizes_on_every_rank,
     training_ranks_groups,
     weighted_allreduce_hook,
@@ -411,6 +412,27 @@ class DynamixAccelerate:
     def sits_out(self) -> bool:
         """Whether this rank's batch size is 0 in the batch being trained (its batch is an ``EmptyBatch``)."""
         return self.batch_core.sits_out
+
+    def global_mean(self, value: Tensor | None) -> Tensor:
+        """The mean of a per-step ``value`` over the global batch: every process's weighted by its share of the step
+        (its items with ``count_items``, else its samples). For the loss, what one process on the whole global batch
+        would report: the token mean under ``count_items``.
+
+        A collective (one all-reduce): call it on every process at the same step, a process that sits the step out
+        with ``None`` (then ``value`` must be a scalar, as a loss is). Returns a float tensor of ``value``'s shape,
+        the same on every process.
+        """
+        loader = self.batch_core.loader
+        if loader is None or loader.current_step < 0:
+            raise RuntimeError("DynamixAccelerate.global_mean: no batch was handed out; call it after a step's batch")
+        count = (
+            loader.current_items
+            if self.batch_core.count_items is not None
+            else loader.current_batch_sizes[loader.batch_sampler.rank]
+        )
+        if value is None or self.sits_out:
+            value, count = torch.zeros((), device=self.accelerator.device), 0
+        return mean_by_counts_all_reduce(value.detach(), count)
 
     def zero_loss(self) -> Tensor:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.

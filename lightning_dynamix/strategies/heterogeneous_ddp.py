@@ -36,6 +36,7 @@ from lightning_dynamix.distributed import (
     StaleRanks,
     can_leave_gradient_sync,
     let_backend_threads_finish,
+    mean_by_counts_all_reduce,
     training_ranks_groups,
     weighted_allreduce_hook,
     weighted_mean_all_reduce,
@@ -585,9 +586,11 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
             sizes = loader.current_batch_sizes
             # ranks that sit this step out do not run training_step: the others reduce among themselves
-            result = weighted_mean_all_reduce(
-                tensor, sizes[self.global_rank] / sum(sizes), group=training_ranks_groups().group(sizes, self._timeout)
-            )
+            group = training_ranks_groups().group(sizes, self._timeout)
+            if self.batch_core.count_items is not None:  # a mean over each rank's items: the global batch's
+                result = mean_by_counts_all_reduce(tensor, loader.current_items, group=group)
+            else:
+                result = weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes), group=group)
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self._step_clock is not None:  # the wait is not this rank's compute

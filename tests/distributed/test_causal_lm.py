@@ -77,3 +77,28 @@ def test_every_rank_s_token_positions_and_padding_are_measured_and_gathered(pool
         assert padding == pytest.approx(sum(s[rank][2] for s in states) / len(states), abs=0.15)
     job_padding = [sum(s[r][1] * s[r][2] for r in range(2)) / sum(s[r][1] for r in range(2)) for s in states]
     assert results[0]["logged"] == pytest.approx(job_padding)  # dynamix/padding, the job's, for the loggers
+
+
+def test_a_loss_logged_with_sync_dist_is_the_global_batch_s_token_mean(pools):
+    # self.log("train_loss", loss, sync_dist=True) in training_step: the ranks' token means weighted by their tokens
+    job = import_job("causal_lm")
+    first, plan = SEQUENCES[2]
+    results = pools(2).run("causal_lm", "logged_losses", first=first, plan=plan, by_tokens=True, num_samples=24)
+    expected = job.one_process_losses([r["steps"] for r in results], 24)
+    for result in results:
+        assert result["logged"] == pytest.approx(expected, rel=1e-6)  # float32: the loss, and logged values
+    # weighted by samples (no count_items), it is the mean of the ranks' token means by samples: not the global one
+    by_samples = pools(2).run("causal_lm", "logged_losses", first=first, plan=plan, by_tokens=False, num_samples=24)
+    assert abs(by_samples[0]["logged"][0] - expected[0]) > 1e-4
+
+
+def test_dynamix_accelerate_s_global_mean_is_the_global_batch_s_token_mean_also_where_a_rank_sits_out(pools):
+    job = import_job("causal_lm")
+    first, plan = SEQUENCES[3]
+    results = pools(3).run(
+        "causal_lm", "accelerate", first=first, plan=plan, accumulate=1, by_tokens=True, num_samples=NUM_SAMPLES,
+        epochs=1, seed=1,
+    )  # fmt: skip
+    expected = job.one_process_losses([r["steps"] for r in results], NUM_SAMPLES)
+    for result in results:
+        assert result["logged"] == pytest.approx(expected, rel=1e-6)  # transformers computes the loss in float32

@@ -69,16 +69,18 @@ def accelerate(
         DataLoader(dataset(num_samples), batch_size=4, shuffle=True, collate_fn=pad_sequences),
     )
     decisions = dict((at, sizes) for at, sizes in plan)
-    steps, batches = [], 0
+    steps, batches, logged = [], 0, []
     for epoch in range(epochs):
         for step, batch in enumerate(loader):
             with accelerator.accumulate(model):
                 if dynamix.sits_out:
                     steps.append((epoch, step, []))
                     loss = dynamix.zero_loss()
+                    logged.append(dynamix.global_mean(None).item())
                 else:
                     steps.append((epoch, step, batch["index"].tolist()))
                     loss = _lm_loss(model, batch)
+                    logged.append(dynamix.global_mean(loss).item())
                 dynamix.backward(loss)
                 opt.step()
                 opt.zero_grad()
@@ -87,19 +89,28 @@ def accelerate(
                 dynamix.set_batch_sizes(decisions[batches])
             batches += 1
     dist.barrier()  # every rank finished with the model before the next task builds another
-    return {"steps": steps, "params": _params(network)}
+    return {"steps": steps, "params": _params(network), "logged": logged}
 
 
 class LanguageModel(LightningModule):
-    def __init__(self, num_samples: int) -> None:
+    def __init__(self, num_samples: int, log_loss: bool = False) -> None:
         super().__init__()
         self.model = make_model()
         self.num_samples = num_samples
+        self.log_loss = log_loss
         self.steps: list[tuple[int, int, list[int]]] = []
+        self.logged: list[float] = []
 
     def training_step(self, batch, batch_idx):
         self.steps.append((self.current_epoch, batch_idx, batch["index"].tolist()))
-        return _lm_loss(self.model, batch)
+        loss = _lm_loss(self.model, batch)
+        if self.log_loss:
+            self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.log_loss:
+            self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=LR)
@@ -184,3 +195,35 @@ def measured(sizes: list[int], num_samples: int) -> dict:
     states = [[(w.batch_size, w.work, w.padding) for w in record.state.workers] for record in monitor.history]
     logged = [interval_metrics(record)["dynamix/padding"] for record in monitor.history]  # what loggers are given
     return {"states": states, "positions": seen.positions, "logged": logged}
+
+
+def logged_losses(first: list[int], plan: list[tuple[int, list[int]]], by_tokens: bool, num_samples: int) -> dict:
+    """``Trainer.fit`` for one epoch with the loss logged by ``self.log(..., sync_dist=True)``: what it reported
+    at every step, and the steps' samples."""
+    from datetime import timedelta
+
+    strategy = HeterogeneousDDPStrategy(
+        batch_sizes=first, timeout=timedelta(seconds=60), count_items=LabelTokens() if by_tokens else None
+    )
+    module = LanguageModel(num_samples, log_loss=True)
+    trainer = quiet_trainer(
+        devices=len(first), strategy=strategy, max_epochs=1, callbacks=[StepResizer(plan)], limit_val_batches=0
+    )
+    trainer.fit(module)
+    return {"steps": module.steps, "logged": module.logged}
+
+
+def one_process_losses(steps_by_rank, num_samples: int) -> list[float]:
+    """The token-mean loss of one process on each global batch, before the step's update (SGD, as the job)."""
+    data = dataset(num_samples)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for k in range(len(steps_by_rank[0])):
+        batch = pad_sequences([data[i] for rank in steps_by_rank for i in rank[k][2]])
+        opt.zero_grad()
+        loss = _lm_loss(model, batch)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+    return losses
