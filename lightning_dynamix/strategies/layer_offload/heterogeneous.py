@@ -39,8 +39,8 @@ class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPS
     Args:
         batch_sizes: one initial batch size per trainer rank (``devices * num_nodes`` of them); default the
             training DataLoader's ``batch_size`` on every trainer.
-        min_batch_size, max_batch_size, loss_reduction, shuffle, seed, drop_last, batch_size_caps: as for
-            :class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy`.
+        min_batch_size, max_batch_size, loss_reduction, shuffle, seed, drop_last, batch_size_caps,
+            group_by_length: as for :class:`~lightning_dynamix.strategies.HeterogeneousDDPStrategy`.
         recover_out_of_memory: ``None`` or ``False``: a trainer that runs out of memory ends the job (an
             attempt's row gradients reach the servers, so a step cannot be trained again); ``True`` is refused
             at set-up.
@@ -75,6 +75,7 @@ class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPS
         batch_size_caps: Sequence[int | None] | None = None,
         recover_out_of_memory: bool | None = None,
         count_items: ItemCounter | None = None,
+        group_by_length: int | None = None,
         **kwargs: Any,
     ) -> None:
         if count_items is not None:
@@ -94,6 +95,7 @@ class HeterogeneousLayerOffloadStrategy(EmbeddingOffloadHooks, HeterogeneousDDPS
             drop_last=drop_last,
             batch_size_caps=batch_size_caps,
             recover_out_of_memory=recover_out_of_memory,
+            group_by_length=group_by_length,
             **kwargs,
         )
         self.embedding_offload = EmbeddingOffload(**offload)
