@@ -215,6 +215,17 @@ class PerRankBatchCore:
         """Whether this rank has no samples in the batch being trained (its batch is an ``EmptyBatch``)."""
         return self.loader is not None and self.loader.sits_out
 
+    @property
+    def own_count(self) -> int:
+        """This rank's share of the step being trained, what its mean loss averages over: its items where
+        ``count_items`` counts them, else its samples (0 where it sits out)."""
+        loader = self.loader
+        if loader is None or loader.current_step < 0:
+            raise RuntimeError("no batch was handed out by the training DataLoader yet")
+        if self.count_items is not None:
+            return loader.current_items
+        return loader.current_batch_sizes[loader.batch_sampler.rank]
+
     def set_batch_sizes(
         self, batch_sizes: Sequence[int], from_step: int | None = None, device: torch.device | None = None
     ) -> int | None:

@@ -7,7 +7,6 @@ from lightning_dynamix.distributed.collectives import (
     let_backend_threads_finish,
     mean_by_counts_all_reduce,
     set_batch_sizes_on_every_rank,
-    weighted_mean_all_reduce,
 )
 from lightning_dynamix.distributed.comm_hooks import BucketNorms, WeightedAllReduceState, weighted_allreduce_hook
 from lightning_dynamix.distributed.launching import JOB_VARIABLES, free_port, job_environment
@@ -50,6 +49,5 @@ __all__ = [
     "training_ranks_groups",
     "validate_loss_reduction",
     "weighted_allreduce_hook",
-    "weighted_mean_all_reduce",
     "zero_gradient_loss",
 ]

@@ -59,27 +59,13 @@ def let_backend_threads_finish() -> None:
         _handlers_registered = True
 
 
-def weighted_mean_all_reduce(
-    tensor: torch.Tensor, weight: float, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """The weighted mean of ``tensor`` over the ranks of ``group`` (default: all): ``sum_r weight_r * tensor_r``.
-
-    The weights must sum to one over those ranks (``b_r / sum(b)`` for per-sample means).
-    Returns a new floating tensor; ``tensor`` is left untouched.
-    """
-    result = tensor.detach().clone() if tensor.is_floating_point() else tensor.detach().double()
-    result.mul_(weight)
-    dist.all_reduce(result, op=dist.ReduceOp.SUM, group=group)
-    return result
-
-
 def mean_by_counts_all_reduce(tensor: torch.Tensor, count: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The mean of ``tensor`` over the ranks of ``group`` (default: all), each rank's weighted by its ``count``:
     ``sum_r count_r * tensor_r / sum_r count_r``, with one all-reduce of the products and the count (float64).
 
-    For a value that is a mean over a rank's items (a language model's tokens), it is the mean over every rank's
-    items, without knowing the others' counts beforehand. Returns a new floating tensor of ``tensor``'s shape (NaN
-    where every count is 0); ``tensor`` is left untouched.
+    For a value that is a mean over a rank's samples (or items: a language model's tokens), it is the mean over
+    every rank's samples (items), without knowing the others' counts beforehand. Returns a new floating tensor of
+    ``tensor``'s shape (NaN where every count is 0); ``tensor`` is left untouched.
     """
     flat = tensor.detach().reshape(-1).double()
     packed = torch.cat([flat * count, flat.new_tensor([float(count)])])

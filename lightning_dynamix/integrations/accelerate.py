@@ -425,14 +425,9 @@ class DynamixAccelerate:
         loader = self.batch_core.loader
         if loader is None or loader.current_step < 0:
             raise RuntimeError("DynamixAccelerate.global_mean: no batch was handed out; call it after a step's batch")
-        count = (
-            loader.current_items
-            if self.batch_core.count_items is not None
-            else loader.current_batch_sizes[loader.batch_sampler.rank]
-        )
         if value is None or self.sits_out:
-            value, count = torch.zeros((), device=self.accelerator.device), 0
-        return mean_by_counts_all_reduce(value.detach(), count)
+            return mean_by_counts_all_reduce(torch.zeros((), device=self.accelerator.device), 0)
+        return mean_by_counts_all_reduce(value, self.batch_core.own_count)
 
     def zero_loss(self) -> Tensor:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.

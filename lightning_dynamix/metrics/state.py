@@ -54,8 +54,8 @@ class WorkerMetrics:
             for no limit of its own. Every controller's decision keeps within it.
         work: the rank's work per step, where its samples differ in size: a language model's token positions
             (padding included) with ``count_items`` (:class:`~lightning_dynamix.data.items.LabelTokens`), else
-            the items it counts; NaN where nothing is counted. Step times are judged per unit of work
-            (:attr:`ClusterState.work_factors`), so a rank that drew long sequences does not look slow.
+            the items it counts; NaN where nothing is counted. Controllers judge step times per unit of work
+            (:meth:`ClusterState.at_mean_work`), so a rank that drew long sequences does not look slow.
         padding: the fraction of ``work`` that was padding, in [0, 1]; NaN where not known.
     """
 

@@ -39,7 +39,6 @@ from lightning_dynamix.distributed import (
     mean_by_counts_all_reduce,
     training_ranks_groups,
     weighted_allreduce_hook,
-    weighted_mean_all_reduce,
     zero_gradient_loss,
 )
 from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
@@ -584,13 +583,9 @@ class HeterogeneousDDPStrategy(DDPStrategy):
         started = self._step_clock.now() if self._step_clock is not None else None
         loader = self.batch_core.loader
         if group is None and _is_mean(reduce_op) and loader is not None and loader.current_step >= 0:
-            sizes = loader.current_batch_sizes
             # ranks that sit this step out do not run training_step: the others reduce among themselves
-            group = training_ranks_groups().group(sizes, self._timeout)
-            if self.batch_core.count_items is not None:  # a mean over each rank's items: the global batch's
-                result = mean_by_counts_all_reduce(tensor, loader.current_items, group=group)
-            else:
-                result = weighted_mean_all_reduce(tensor, sizes[self.global_rank] / sum(sizes), group=group)
+            group = training_ranks_groups().group(loader.current_batch_sizes, self._timeout)
+            result = mean_by_counts_all_reduce(tensor, self.batch_core.own_count, group=group)
         else:
             result = super().reduce(tensor, group=group, reduce_op=reduce_op)
         if self._step_clock is not None:  # the wait is not this rank's compute
