@@ -137,7 +137,9 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
             # the language model's: token positions per second (padding included), against their ideal, and padding
             "tokens_per_second_rounds": [_work_after(r, half, "work_throughput") for r in results],
-            "tokens_to_ideal_second_half": statistics.median(_work_ratio_after(r, half) for r in results),
+            "tokens_to_ideal_second_half": statistics.median(
+                _ratio_after(r, half, "work_throughput", "ideal_work_throughput") for r in results
+            ),
             "padding_second_half": statistics.median(_work_after(r, half, "padding") for r in results),
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
             # each rank's sizes over the second half, per round: how far the controller kept moving them
@@ -317,15 +319,8 @@ def _work_after(result: RunResult, step: int, key: str) -> float:
     return statistics.median(values) if values else math.nan
 
 
-def _work_ratio_after(result: RunResult, step: int) -> float:
-    ratios = [
-        i["work_throughput"] / i["ideal_work_throughput"]
-        for i in result.intervals
-        if i["step"] > step and i.get("ideal_work_throughput", math.nan) > 0
-    ]
+def _ratio_after(result: RunResult, step: int, achieved: str = "throughput", ideal: str = "ideal_throughput") -> float:
+    """The median of the intervals' ``achieved / ideal`` after ``step`` (samples, or ``work_throughput``: tokens);
+    NaN where no interval measured it."""
+    ratios = [i[achieved] / i[ideal] for i in result.intervals if i["step"] > step and i.get(ideal, math.nan) > 0]
     return statistics.median(ratios) if ratios else math.nan
-
-
-def _ratio_after(result: RunResult, step: int) -> float:
-    ratios = [i["throughput"] / i["ideal_throughput"] for i in result.intervals if i["step"] > step]
-    return statistics.median(ratios) if ratios else float("nan")
