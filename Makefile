@@ -13,7 +13,7 @@ test: setup
 	.venv/bin/ruff format --check .
 	.venv/bin/python -m pytest -q -n 2 --dist loadfile
 
-# the inner loop: every module's unit tests, without the multi-process and end-to-end ones (make test runs all),
+# the inner loop: every module's unit tests, without those that start other Pythons or run end to end (make test runs all),
 # on two pytest-xdist workers
 test-fast: setup
 	.venv/bin/ruff check .

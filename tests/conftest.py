@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 # Idle OpenMP threads sleep instead of spinning (every process the suite starts inherits it): ranks that wait in a
 # collective, and two pytest-xdist workers on two cores, would otherwise burn the cores the others need
@@ -12,10 +14,64 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_dynamix.offload.server_launcher import ServerLauncher
+from tests.forkserver import ForkServer
+
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers share the cores rather than each take them all
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))  # what Lightning's launcher then leaves as it is
     torch.set_num_threads(_threads)
+
+
+_PYTHONS_STARTED: list[str] = []  # the Python processes this process started, in order
+# jsonargparse's typeshed_client asks a Python for its sys.path in every LightningCLI run: incidental, not the test's
+_INCIDENTAL = ("import sys, json; print(json.dumps(sys.path))",)
+_execute_child = subprocess.Popen._execute_child
+
+
+def _recording_pythons(self, args, executable, *rest, **kwargs):
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+    program = os.path.basename(os.fsdecode(executable or argv[0])) if argv else ""
+    incidental = len(argv) == 3 and os.fsdecode(argv[2]) in _INCIDENTAL
+    if (program.startswith("python") or os.fsdecode(executable or argv[0]) == sys.executable) and not incidental:
+        _PYTHONS_STARTED.append(" ".join(os.fsdecode(a) for a in argv)[:120])
+    return _execute_child(self, args, executable, *rest, **kwargs)
+
+
+subprocess.Popen._execute_child = _recording_pythons
+
+
+def _recording_forks(function):
+    """``function`` (a start of a Python forked from a warm one), recorded like a Python started anew."""
+
+    def start(self, *args, **kwargs):
+        _PYTHONS_STARTED.append(f"{function.__qualname__} {args[0] if args else ''}"[:120])
+        return function(self, *args, **kwargs)
+
+    return start
+
+
+# an embedding server forked by this process's server launcher, a command forked by the tests' fork server: once a
+# launcher or a fork server runs, later starts are forks and never reach Popen, so whichever test came first would
+# be the only one seen
+ServerLauncher.start = _recording_forks(ServerLauncher.start)
+ForkServer.run = _recording_forks(ForkServer.run)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_python(request):
+    """``make test-fast`` leaves out the tests marked ``distributed`` or ``e2e``; a test that starts another Python
+    (a job's ranks, a server, a launcher, a fresh interpreter) pays seconds of imports and is one of them. A test
+    outside both marks that starts one fails, naming it, so the inner loop stays what its name says."""
+    started = len(_PYTHONS_STARTED)
+    yield
+    marked = any(request.node.get_closest_marker(name) for name in ("distributed", "e2e"))
+    if len(_PYTHONS_STARTED) > started and not marked:
+        pytest.fail(
+            f"{request.node.nodeid} started {_PYTHONS_STARTED[started]!r}: a test that starts a Python process is"
+            " marked distributed (or e2e), which make test-fast leaves out",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

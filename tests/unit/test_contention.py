@@ -65,6 +65,7 @@ def _affinity(pid: int) -> set[int]:
     return os.sched_getaffinity(pid)
 
 
+@pytest.mark.distributed
 def test_busy_processes_run_pinned_to_the_slow_ranks_core_and_end_with_the_block():
     cpus = sorted(os.sched_getaffinity(0))
     places = [RankPlace(cores=(cpus[-1],), busy=2)]

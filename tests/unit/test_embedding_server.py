@@ -228,6 +228,7 @@ def test_serve_rejects_bad_arguments_before_joining(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_a_launched_server_starts_as_the_serve_command_without_importing_lightning():
     # the strategy starts its servers with this command: the same arguments, the same checks, and no Lightning
     # nor torchmetrics (which imports matplotlib): a server starts in about half the time

@@ -87,6 +87,7 @@ def test_the_strategy_needs_a_lighthouse_and_refuses_what_it_cannot_do(monkeypat
         quiet_trainer(strategy=FaultTolerantStrategy(12), devices=1, max_steps=1).fit(manual)
 
 
+@pytest.mark.distributed
 def test_a_machine_key_is_the_same_in_every_process_and_exact_in_a_float64():
     key = machine_key("node-7")
     code = "from lightning_dynamix.distributed.fault_tolerance import machine_key; print(machine_key('node-7'))"
@@ -125,6 +126,7 @@ def test_dynamix_callback_refuses_a_learning_rate_rule_under_the_fault_tolerant_
         trainer.fit(Net(num_samples=24))
 
 
+@pytest.mark.distributed
 def test_a_lighthouse_started_here_logs_no_line_per_quorum():
     script = (
         "import time\n"

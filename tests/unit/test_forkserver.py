@@ -23,6 +23,9 @@ sys.exit(int(sys.argv[1]))
 _SET_BY_LIGHTNING = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
+pytestmark = pytest.mark.distributed  # it starts fork servers and the processes they fork
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     probes = tmp_path_factory.mktemp("probes")

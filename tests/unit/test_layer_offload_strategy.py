@@ -205,6 +205,7 @@ def test_heterogeneous_trainer_sizes_are_one_per_trainer_rank_checked_before_any
         fit(Model(), strategy=HeterogeneousLayerOffloadStrategy, batch_sizes=[6, 4])
 
 
+@pytest.mark.distributed  # it starts embedding servers
 def test_a_trainer_leaves_a_core_to_each_server_it_launched_and_gets_its_threads_back():
     # a trainer's idle intra-op threads spin on the cores its servers need to answer it
     seen = []
@@ -224,6 +225,7 @@ def test_a_trainer_leaves_a_core_to_each_server_it_launched_and_gets_its_threads
     assert torch.get_num_threads() == before
 
 
+@pytest.mark.distributed  # it starts embedding servers
 def test_the_servers_a_fit_started_are_gone_when_it_returns(capfd):
     pids = []
 
@@ -250,6 +252,7 @@ def test_a_model_without_embeddings_is_refused():
         fit(Dense())
 
 
+@pytest.mark.distributed  # its fit starts embedding servers
 def test_an_optimizer_without_a_sparse_counterpart_is_refused_and_the_model_keeps_its_table():
     class WithAdam(Model):
         def configure_optimizers(self):
@@ -263,6 +266,7 @@ def test_an_optimizer_without_a_sparse_counterpart_is_refused_and_the_model_keep
     torch.testing.assert_close(model.table.weight.detach(), before)
 
 
+@pytest.mark.distributed  # its fit starts embedding servers
 @pytest.mark.parametrize("init_scale", [1024.0, 2.0**22])  # 2**22: the first steps overflow in fp16, skipped
 def test_fp16_mixed_precision_with_a_grad_scaler_trains_the_tables_as_plain_lightning_does(init_scale):
     # the scaler multiplies the loss, and so the rows' gradients; it skips a step with inf or NaN gradients
@@ -288,6 +292,7 @@ def test_fp16_mixed_precision_with_a_grad_scaler_trains_the_tables_as_plain_ligh
         torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)
 
 
+@pytest.mark.distributed  # its fit starts embedding servers
 def test_an_overflow_in_the_rows_gradients_alone_skips_the_step_as_plain_lightning_does():
     # at step 3 the loss's term on the embeddings overflows their gradient (and so, in one process, the
     # table's), while the dense layer's gradient stays finite: the scaler must still skip the step
@@ -313,6 +318,7 @@ def test_an_overflow_in_the_rows_gradients_alone_skips_the_step_as_plain_lightni
         torch.testing.assert_close(result[name], tensor, rtol=0, atol=1e-6)
 
 
+@pytest.mark.distributed  # its fit starts embedding servers
 @pytest.mark.parametrize("precision", ["64-true", "bf16-true"])
 def test_a_true_precision_gives_the_offloaded_tables_the_dtype_it_gives_the_model_as_plain_lightning_does(precision):
     # the plugin converts the model in DDP's set-up, when the tables are already out of it: they must come

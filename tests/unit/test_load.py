@@ -39,6 +39,7 @@ def test_changes_this_run_cannot_make_are_refused(entries, mode, links, message)
         check_changes(changes, mode, 2, links)
 
 
+@pytest.mark.distributed
 def test_a_co_tenant_arrives_beside_the_rank_on_its_cores_and_leaves():
     changes = [parse_change(3, 0, "busy+2"), parse_change(6, 0, "busy-1"), parse_change(4, 1, "busy+1")]
     schedule = LoadSchedule(changes, rank=0)  # rank 1's entry is not this rank's

@@ -19,7 +19,10 @@ import pytest
 from lightning_dynamix.offload.server_launcher import launch
 from lightning_dynamix.offload.server_process import server_environment
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="servers are forked on Linux only")
+pytestmark = [
+    pytest.mark.distributed,  # it starts servers and their launchers
+    pytest.mark.skipif(sys.platform != "linux", reason="servers are forked on Linux only"),
+]
 
 
 def _unused_port() -> int:
