@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dynamix.offload.server_launcher import ServerLauncher
-from tests.forkserver import ForkServer
+from tests.forkserver import ForkServer, _ForkingPopen
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # make test's workers share the cores rather than each take them all
     _threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
@@ -56,6 +56,7 @@ def _recording_forks(function):
 # be the only one seen
 ServerLauncher.start = _recording_forks(ServerLauncher.start)
 ForkServer.run = _recording_forks(ForkServer.run)
+_ForkingPopen._execute_child = _recording_forks(_ForkingPopen._execute_child)
 
 
 @pytest.fixture(autouse=True)

@@ -10,11 +10,17 @@ command's working directory, environment and output files, and reports the child
 a process of its own: its id, its signal handlers, the threads, CPU affinity and cgroups it sets, its exit
 (``atexit`` included) are its own and die with it.
 
-A rank of the command's job that its launcher starts (Lightning's starts ``python -m MODULE ARGS`` or ``python SCRIPT
-ARGS`` with ``subprocess.Popen``, in the command's environment and the job's variables) is forked by the server too,
-with the command's files 0, 1 and 2 (sent over the socket): ``subprocess.Popen`` in a forked command hands such a
-start to the server and returns a :class:`ForkedRank`, with the ``Popen`` methods a launcher uses (``pid``, ``poll``,
-``wait``, ``send_signal``, ``terminate``, ``kill``). Every other process a command starts starts as it would anywhere.
+A Python that a forked command starts with ``subprocess.Popen`` (a rank Lightning's launcher starts, a bench's job, a
+server) is forked by the server too where it may be: ``python -m MODULE ARGS`` or ``python SCRIPT ARGS``, in the
+command's environment but for what a launcher sets for a rank (the job's variables, torchft's, ``OMP_NUM_THREADS``,
+which the child gives torch as a new Python's import would, and ``PYTHONPATH``, whose new entries go on ``sys.path``),
+with the files Popen made for it (its pipes, a log file, ``DEVNULL``, or the command's own 0, 1 and 2) sent over the
+socket, in a session of its own where asked. ``Popen`` returns as it would, its ``pid``, ``poll``, ``wait``,
+``communicate`` and signals reading the server's word on the child. :func:`popen` does the same for a process of the
+tests (a pool of ranks, a replica). Every other process starts as it would anywhere. A forked child is the server's
+child, not its starter's: code that finds a process's descendants by walking the process tree (torch elastic's agents
+and their workers, as ``lightning_dynamix.bench.cluster`` preempts a node) would not find it, which is why ``python
+-c`` (the agents) and launchers' own scripts (``torchrun``, ``accelerate launch``) always start anew.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
 environment is the server's own, but for what the server's imports set as the command has it (the variables torch
@@ -29,6 +35,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import runpy
@@ -45,10 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_dynamix.distributed.launching import JOB_VARIABLES
+from lightning_dynamix.distributed.launching import JOB_VARIABLES, job_environment
 
 ROOT = Path(__file__).resolve().parents[1]
-_IGNORED = ("PYTEST_CURRENT_TEST",)  # set per test; the child gets the command's value
+# set per test, and read as torchft loads, which no server's preload does (a server refuses to start otherwise; a
+# lighthouse the package starts sets it): the child gets the command's value
+_IGNORED = ("PYTEST_CURRENT_TEST", "RUST_LOG")
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,19 @@ def run_script(
     return _run_forked(script, args, cwd, env, timeout, preload, script=True)
 
 
-def _run_forked(
-    target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...], script: bool
-) -> Completed:
+def _server(preload: tuple[str, ...], env: dict[str, str]) -> ForkServer:
+    """This process's server for ``preload``, started in ``env`` at the first call (stopped at this process's exit)."""
     server = _SERVERS.get(preload)
     if server is None or server.process.poll() is not None:
         server = _SERVERS[preload] = ForkServer(preload, env)
         atexit.register(server.close)
+    return server
+
+
+def _run_forked(
+    target: str, args: list[str], cwd: Path, env: dict[str, str], timeout: float, preload: tuple[str, ...], script: bool
+) -> Completed:
+    server = _server(preload, env)
     if server.serves(env):
         return server.run(target, args, cwd, env, timeout, script=script)
     command = [sys.executable, target] if script else [sys.executable, "-m", target]
@@ -190,6 +205,8 @@ def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | 
     _SERVER, _PRELOADED_ENV = path, dict(os.environ)
     with open(path + ".env", "w") as written:  # for the client's choice of commands it may fork (read once it listens)
         json.dump(_PRELOADED_ENV, written)
+    if "torchft" in sys.modules:  # its RUST_LOG, read as it loads, would be the server's in every forked child
+        sys.exit(f"the fork server imported torchft with {preload}: RUST_LOG is free only while it has not")
     if threading.active_count() != 1:  # native pools (numpy's OpenBLAS) handle a fork themselves
         sys.exit(f"the fork server runs {threading.active_count()} Python threads after importing {preload}")
     parent = os.getppid()
@@ -260,31 +277,64 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
 _SERVER: str | None = None
 _PRELOADED_ENV: dict[str, str] = {}
 _COMMAND_ENV: dict[str, str] = {}
-# what a launcher sets in a rank's environment (no library reads these at import time)
-_LAUNCHERS = (*JOB_VARIABLES, "PL_GLOBAL_SEED", "PL_SEED_WORKERS")
+# what a launcher sets in a rank's environment (no library reads these at import time), and two a forked child sets
+# as a new Python would have read them (:func:`_run`)
+_FREE = (
+    *JOB_VARIABLES, "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "OMP_NUM_THREADS", "PYTHONPATH",
+    "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID",  # torchft's, for a replica: read when its manager is made
+)  # fmt: skip
 
 
-class ForkedRank:
-    """A rank a forked command asked the server for, with the methods of :class:`subprocess.Popen` a launcher uses.
+_EXECUTE_CHILD = inspect.signature(subprocess.Popen._execute_child)
+# Popen's ways of starting a child that a fork cannot honour (a fork server's child is the server's, not ours)
+_UNSERVED = {"preexec_fn": None, "pass_fds": (), "shell": False, "gid": None, "gids": None, "uid": None, "umask": -1}
+
+
+class _ForkingPopen(subprocess.Popen):
+    """``subprocess.Popen`` whose ``python -m MODULE ARGS`` or ``python SCRIPT ARGS`` the fork server starts where it
+    may (see :func:`_served_request`), with the files Popen made for it (its pipes, a log, ``DEVNULL``) sent over the
+    socket; every other command starts as ``Popen`` starts it. A forked child is the server's: its exit status comes
+    over the connection, which ``poll``, ``wait``, ``communicate`` and ``send_signal`` read as Popen reads
+    ``waitpid``'s.
 
     Args:
-        args: the command, as it was given to ``Popen``.
-        request: the request for the server (the command's files are this process's 0, 1 and 2).
+        route: the server's socket, the environment of the command (or worker) it serves and what its imports set;
+            ``None``: this forked command's server.
     """
 
-    def __init__(self, args: list[str], request: dict[str, Any]) -> None:
-        self.args = args
-        self.stdin = self.stdout = self.stderr = None
-        self.returncode: int | None = None
-        assert _SERVER is not None
-        self._connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._connection.connect(_SERVER)
-        socket.send_fds(self._connection, [(json.dumps(request) + "\n").encode()], [0, 1, 2])
+    def __init__(
+        self,
+        *args: Any,
+        route: tuple[str, dict[str, str], dict[str, str]] | None = None,
+        free: tuple[str, ...] = (),
+        **kwargs: Any,
+    ) -> None:
+        self._route = route or (_SERVER, _COMMAND_ENV, _PRELOADED_ENV)
+        self._free = free
+        self._connection: socket.socket | None = None
         self._buffer = b""
-        self.pid = int(self._line(None))
+        super().__init__(*args, **kwargs)
+
+    def _execute_child(self, *args: Any, **kwargs: Any) -> None:
+        bound = _EXECUTE_CHILD.bind(self, *args, **kwargs).arguments
+        request = _served_request(bound, *self._route[1:], self._free)
+        if request is None or self._route[0] is None:
+            return super()._execute_child(*args, **kwargs)
+        p2cread, c2pwrite, errwrite = bound["p2cread"], bound["c2pwrite"], bound["errwrite"]
+        files = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(self._route[0])
+        socket.send_fds(connection, [(json.dumps(request) + "\n").encode()], files)
+        self._connection = connection
+        self.pid = int(self._line(None) or -1)
+        self._child_created = True
+        names = ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")
+        self._close_pipe_fds(*(bound[name] for name in names))  # the child's ends, as Popen closes them after a fork
+        return None
 
     def _line(self, timeout: float | None) -> str | None:
         """The server's next line; ``None`` if none came within ``timeout`` (0: none waiting now)."""
+        assert self._connection is not None
         self._connection.settimeout(timeout)
         while b"\n" not in self._buffer:
             try:
@@ -292,83 +342,98 @@ class ForkedRank:
             except (TimeoutError, BlockingIOError):
                 return None
             if not more:
-                raise RuntimeError(f"the fork server ended before rank {self.args} did")
+                raise RuntimeError(f"the fork server ended before {self.args} did")
             self._buffer += more
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            line = self._line(0)
-            if line is not None:
-                self.returncode = int(line)
-                self._connection.close()
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            line = self._line(timeout)
-            if line is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+    def _ended(self, line: str | None) -> int | None:
+        if line is not None:
             self.returncode = int(line)
+            assert self._connection is not None
             self._connection.close()
         return self.returncode
 
-    def send_signal(self, number: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, number)
+    def _internal_poll(self, *args: Any, **kwargs: Any) -> int | None:
+        if self._connection is None:
+            return super()._internal_poll(*args, **kwargs)
+        return self.returncode if self.returncode is not None else self._ended(self._line(0))
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def __enter__(self) -> ForkedRank:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.wait()
+    def _wait(self, timeout: float | None) -> int:
+        if self._connection is None:
+            return super()._wait(timeout)
+        if self.returncode is None and self._ended(self._line(timeout)) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
 
 
-def _rank_request(args: Any, rest: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The server's request for ``Popen(args, *rest, **kwargs)``, where it starts a rank of this command's job: ``python
-    -m MODULE ARGS`` or ``python SCRIPT ARGS``, with this process's files, in an environment that differs from this
-    command's only in what a launcher sets for a rank (and what the imports the server made set); else ``None``."""
-    if rest or not set(kwargs) <= {"env", "cwd"} or not isinstance(args, (list, tuple)) or len(args) < 2:
+def _served_request(
+    bound: dict[str, Any], base: dict[str, str], preloaded: dict[str, str], free: tuple[str, ...] = ()
+) -> dict[str, Any] | None:
+    """The server's request for a Popen start (``bound``: ``_execute_child``'s arguments) that it may fork: ``python
+    -m MODULE ARGS`` or ``python SCRIPT ARGS`` in an environment that differs from ``base`` only in what a launcher
+    sets for a rank (:data:`_FREE`), the variables ``free`` names and what the server's imports set (``preloaded``),
+    started by none of the means a fork cannot honour (:data:`_UNSERVED`); else ``None``."""
+    args = bound["args"]
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or not all(isinstance(word, str) for word in args):
         return None
-    if not all(isinstance(word, str) for word in args) or args[0] != sys.executable:
+    if args[0] != sys.executable or bound["executable"] not in (None, sys.executable):
         return None
-    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-    if not _differs_only_in(env, _COMMAND_ENV, _PRELOADED_ENV, _LAUNCHERS):
+    if any(bound.get(name, default) != default for name, default in _UNSERVED.items()):
         return None
-    cwd = os.fspath(kwargs.get("cwd") or os.getcwd())
+    if bound.get("process_group") not in (None, -1):
+        return None
+    env = dict(os.environ if bound["env"] is None else bound["env"])
+    if not _differs_only_in(env, base, preloaded, (*_FREE, *_IGNORED, *free)):
+        return None
+    if env.get("OMP_NUM_THREADS") != base.get("OMP_NUM_THREADS") and not env.get("OMP_NUM_THREADS", "").isdigit():
+        return None  # torch's own default for none is not one a fork can set
+    cwd = os.fspath(bound["cwd"] or os.getcwd())
+    where = {"cwd": cwd, "env": env, "session": bool(bound["start_new_session"])}
     if args[1] == "-m" and len(args) > 2:
-        return {"module": args[2], "args": list(args[3:]), "cwd": cwd, "env": env}
+        return {"module": args[2], "args": list(args[3:]), **where}
     if args[1].endswith(".py") and os.path.isfile(os.path.join(cwd, args[1])):
-        return {"script": args[1], "args": list(args[2:]), "cwd": cwd, "env": env}
+        return {"script": args[1], "args": list(args[2:]), **where}
     return None
 
 
-class _ForkingPopen(subprocess.Popen):
-    """``subprocess.Popen`` in a forked command: a rank of its job (see :func:`_rank_request`) forked by the server,
-    any other command started as ``Popen`` starts it."""
+def popen(args: list[str], preload: tuple[str, ...], free: tuple[str, ...] = (), **kwargs: Any) -> subprocess.Popen:
+    """``subprocess.Popen(args, **kwargs)``, the command forked by this process's server for ``preload`` (started at
+    the first call) where it may be (:func:`_served_request`; ``free``: more variables the command reads only once it
+    runs, which may differ from the server's)."""
+    server = _server(preload, job_environment())  # the tests' commands' own, whoever starts the server first
+    return _ForkingPopen(args, route=(server.path, server.env, server.preloaded_env), free=free, **kwargs)
 
-    def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
-        request = _rank_request(args, rest, kwargs)
-        if request is None:
-            return super().__new__(cls)
-        return ForkedRank(list(args), request)
+
+_new_entries: list[str] = []
+
+
+def _as_a_new_python_reads(server_env: dict[str, str]) -> None:
+    """What a new Python would have read from this environment at its start and the server read from ``server_env``:
+    torch's threads from ``OMP_NUM_THREADS`` (where the server imported torch; one that did not reads it at the import)
+    and the entries ``PYTHONPATH`` adds (put on ``sys.path`` by :func:`_run`)."""
+    global _new_entries
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads != server_env.get("OMP_NUM_THREADS") and threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
+    known = set(server_env.get("PYTHONPATH", "").split(os.pathsep))
+    entries = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e and e not in known]
+    _new_entries = [os.path.abspath(e) for e in entries]
 
 
 def _run(request: dict[str, Any], fds: list[int]) -> None:
     """In the forked child: become ``python -m MODULE ARGS`` (or ``python SCRIPT ARGS``) in the request's directory,
     environment and files (the ``outputs`` it names, or the files it was sent); the ranks it starts are forked too."""
     global _COMMAND_ENV
+    if request.get("session"):
+        os.setsid()
     os.chdir(request["cwd"])
+    before = dict(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
     _COMMAND_ENV = dict(request["env"])
+    _as_a_new_python_reads(before)
     if fds:
         for fd, sent in zip((0, 1, 2), fds):
             os.dup2(sent, fd)
@@ -382,6 +447,7 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
             os.close(opened)
         os.close(stdin)
     subprocess.Popen = _ForkingPopen  # type: ignore[misc]
+    sys.path[1:1] = _new_entries  # PYTHONPATH's new entries, after the first as a new Python puts them
     if "script" in request:
         script = request["script"]
         sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python SCRIPT` puts the script's directory first

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from lightning_dynamix.distributed import free_port, job_environment
-from tests.distributed.conftest import JOBS
+from tests import forkserver
+from tests.distributed.conftest import JOBS, PRELOAD
 
 MARKER = "@@"
 
@@ -59,8 +60,9 @@ class RankPool:
             OMP_NUM_THREADS="1",  # many ranks on few cores: one thread each, as Lightning's launcher would give
         )
         self._procs = [
-            subprocess.Popen(
+            forkserver.popen(
                 [sys.executable, str(JOBS / "pool_worker.py"), str(self.timeout)],
+                PRELOAD,
                 env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from lightning_dynamix.data.sampler import EpochPermutation
+from lightning_dynamix.distributed import job_environment
 from lightning_dynamix.distributed.fault_tolerance import Lighthouse, participant_sizes
+from tests import forkserver
+from tests.distributed.conftest import PRELOAD
 
 pytestmark = pytest.mark.distributed
 
@@ -30,15 +33,16 @@ NUM_SAMPLES, GLOBAL_BATCH, STEPS, SEED = 120, 12, 24, 3  # as in ft_replica_job.
 
 
 def start_replica(
-    job: str, lighthouse: str, name: str, out: Path, *args: object, join_file: Path | None = None, **env: str
+    job: str, lighthouse: str, name: str, out: Path, *args: object, join_file: Path | None = None, **extra: str
 ) -> subprocess.Popen:
     """``job`` with the lighthouse, the replica's name, ``out`` and ``args`` (then ``join_file``) as arguments,
-    and ``env`` in its environment."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")]), **env)
+    and ``extra`` in its environment (variables the job reads as it runs)."""
+    path = os.pathsep.join([str(JOBS), os.environ.get("PYTHONPATH", "")])
+    env = dict(job_environment(), PYTHONPATH=path, **extra)
     command = [sys.executable, str(JOBS / job), lighthouse, name, str(out), *map(str, args)]
     command += [str(join_file)] if join_file is not None else []
     with (out / f"{name}.log").open("w") as log:
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return forkserver.popen(command, PRELOAD, free=tuple(extra), env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def steps_of(out: Path, name: str) -> list[dict]:

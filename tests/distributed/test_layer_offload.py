@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,8 +20,9 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils.data import DataLoader
 
-from lightning_dynamix.distributed import free_port
-from tests.distributed.conftest import import_job, run_job
+from lightning_dynamix.distributed import free_port, job_environment
+from tests import forkserver
+from tests.distributed.conftest import PRELOAD, import_job, run_job
 from tests.distributed.pool import run_scripts
 
 pytestmark = pytest.mark.distributed
@@ -45,10 +45,8 @@ def fits(tmp_path_factory, pools):
     one, two = tmp_path_factory.mktemp("offload-1-trainer"), tmp_path_factory.mktemp("offload-2-trainers")
     port = free_port()
     command = [sys.executable, "-m", "lightning_dynamix.serve", "--address", f"127.0.0.1:{port}"]
-    servers = [
-        subprocess.Popen([*command, "--server-rank", str(s), "--num-servers", "2", "--num-trainers", "2"])
-        for s in range(2)
-    ]
+    command += ["--num-servers", "2", "--num-trainers", "2"]
+    servers = [forkserver.popen([*command, "--server-rank", str(s)], PRELOAD, env=job_environment()) for s in (0, 1)]
     try:
         scenarios = [f"external-sgd-2-{port}", "sgd-1-0", "adagrad-1-0", "resume-sgd-1-2", "sizes-adagrad-2"]
         scenarios += ["balance-sgd-1", "sizes_resume-adagrad-1-2", "overflow-sgd-1"]

@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     (probes / "sleep_module.py").write_text("import time\ntime.sleep(120)\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(probes), os.environ.get("PYTHONPATH", "")]))
     env.pop(_SET_BY_LIGHTNING, None)  # the server's import of Lightning sets it
-    server = ForkServer(("json",), env)
+    server = ForkServer(("json", "torch"), env)  # torch: its threads, set at its import, are the server's
     yield server, env, probes
     server.close()
 
@@ -95,14 +95,21 @@ def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
 _LAUNCHER = """
 import json, os, signal, subprocess, sys, time
 if len(sys.argv) > 1:
-    print(json.dumps({"rank": os.environ["LOCAL_RANK"], "pid": os.getpid(), "parent": os.getppid()}), flush=True)
+    print(json.dumps({"rank": os.environ["LOCAL_RANK"], "pid": os.getpid(), "parent": os.getppid(),
+                      "threads": __import__("torch").get_num_threads(), "session": os.getsid(0) == os.getpid()}),
+          flush=True)
     if sys.argv[1] == "sleep":
         time.sleep(120)
     sys.exit(int(sys.argv[1]) if sys.argv[1] != "sleep" else 0)
 ranks = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "5"], env=dict(os.environ, LOCAL_RANK="1")),
          subprocess.Popen([sys.executable, os.path.abspath(__file__), "6"],
-                          env=dict(os.environ, LOCAL_RANK="2", OMP_NUM_THREADS="3"))]
+                          env=dict(os.environ, LOCAL_RANK="2", OTHER_VARIABLE="3"))]
 statuses = [rank.wait(timeout=60) for rank in ranks]
+with open("rank4.log", "w") as log:  # as a bench starts a job: its own log, threads and session
+    logged = subprocess.Popen([sys.executable, os.path.abspath(__file__), "0"], stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, LOCAL_RANK="4", OMP_NUM_THREADS="3"), start_new_session=True)
+captured = subprocess.run([sys.executable, os.path.abspath(__file__), "7"], capture_output=True, text=True,
+                          env=dict(os.environ, LOCAL_RANK="5"), timeout=60)
 sleeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sleep"], env=dict(os.environ, LOCAL_RANK="3"))
 assert sleeper.poll() is None
 try:
@@ -110,7 +117,8 @@ try:
 except subprocess.TimeoutExpired:
     sleeper.kill()
 print(json.dumps({"statuses": statuses, "killed": sleeper.wait(timeout=60), "pids": [r.pid for r in ranks],
-                  "me": os.getpid()}), flush=True)
+                  "me": os.getpid(), "logged": [logged.wait(timeout=60), logged.pid],
+                  "captured": [captured.returncode, json.loads(captured.stdout)]}), flush=True)
 """
 
 
@@ -129,5 +137,17 @@ def test_a_rank_a_forked_command_starts_is_forked_by_the_server_and_any_other_pr
     assert summary["killed"] == -9
     assert [ranks["1"]["pid"], ranks["2"]["pid"]] == summary["pids"]
     assert ranks["1"]["parent"] == forks.process.pid  # forked: the job's variables differ from the server's alone
-    assert ranks["2"]["parent"] == done.pid  # a new Python: torch reads OMP_NUM_THREADS at its import
+    assert ranks["2"]["parent"] == done.pid  # a new Python: a variable a library may read at its import differs
     assert ranks["3"]["parent"] == forks.process.pid
+    assert not ranks["1"]["session"]
+    # a job with a log of its own, its threads and a session: forked, torch's threads as OMP_NUM_THREADS says
+    logged = json.loads((tmp_path / "rank4.log").read_text())
+    assert logged["parent"] == forks.process.pid
+    assert [logged["pid"], 0] == summary["logged"][::-1]
+    assert logged["threads"] == 3
+    assert logged["session"]
+    # its output through a pipe, as subprocess.run captures it
+    status, captured = summary["captured"]
+    assert status == 7
+    assert captured["rank"] == "5"
+    assert captured["parent"] == forks.process.pid
