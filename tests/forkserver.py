@@ -20,7 +20,9 @@ socket, in a session of its own where asked. ``Popen`` returns as it would, its 
 tests (a pool of ranks, a replica). Every other process starts as it would anywhere. A forked child is the server's
 child, not its starter's: code that finds a process's descendants by walking the process tree (torch elastic's agents
 and their workers, as ``lightning_dynamix.bench.cluster`` preempts a node) would not find it, which is why ``python
--c`` (the agents) and launchers' own scripts (``torchrun``, ``accelerate launch``) always start anew.
+-c`` (the agents) and launchers' own scripts (``torchrun``, ``accelerate launch``) always start anew. It also
+inherits the server's CPU affinity and cgroup, not its starter's: the benches that pin ranks say so in their
+environment (``DYNAMIX_BENCH_CPUS``, ``DYNAMIX_BENCH_CGROUP``), which is not free, so those ranks start anew.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
 environment is the server's own, but for what the server's imports set as the command has it (the variables torch
