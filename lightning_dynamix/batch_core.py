@@ -221,7 +221,7 @@ class PerRankBatchCore:
         ``count_items`` counts them, else its samples (0 where it sits out)."""
         loader = self.loader
         if loader is None or loader.current_step < 0:
-            raise RuntimeError("no batch was handed out by the training DataLoader yet")
+            raise RuntimeError("no batch was handed out by the training DataLoader yet: ask after a step's batch")
         if self.count_items is not None:
             return loader.current_items
         return loader.current_batch_sizes[loader.batch_sampler.rank]

@@ -420,14 +420,12 @@ class DynamixAccelerate:
 
         A collective (one all-reduce): call it on every process at the same step, a process that sits the step out
         with ``None`` (then ``value`` must be a scalar, as a loss is). Returns a float tensor of ``value``'s shape,
-        the same on every process.
+        the same on every process. Raises ``RuntimeError`` before the DataLoader handed out a batch.
         """
-        loader = self.batch_core.loader
-        if loader is None or loader.current_step < 0:
-            raise RuntimeError("DynamixAccelerate.global_mean: no batch was handed out; call it after a step's batch")
+        count = self.batch_core.own_count  # raises before the first batch
         if value is None or self.sits_out:
             return mean_by_counts_all_reduce(torch.zeros((), device=self.accelerator.device), 0)
-        return mean_by_counts_all_reduce(value, self.batch_core.own_count)
+        return mean_by_counts_all_reduce(value, count)
 
     def zero_loss(self) -> Tensor:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.
