@@ -284,6 +284,18 @@ def _rank_zero_got_no_fewer(pattern: str) -> Callable[[str], None]:
     return check
 
 
+def _moved_within(pattern: str, total: int) -> Callable[[str], None]:
+    # the split was decided and the global batch kept; which way is noise where the emulated slowdown is small beside
+    # the waits every rank shares (the offload example's server lookups): tests/distributed/test_layer_offload.py
+    # asserts the direction on a virtual clock
+    def check(output: str) -> None:
+        sizes = _sizes(output, pattern)
+        assert len(sizes) == 2, sizes
+        assert sum(sizes) == total, sizes
+
+    return check
+
+
 def _contains(*texts: str, absent: tuple[str, ...] = ()) -> Callable[[str], None]:
     def check(output: str) -> None:
         for text in texts:
@@ -326,7 +338,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dynamix report dynamix_runs/accelerate": _accelerate_report,
     "dynamix report dynamix_runs/callback": _contains("2 ranks", "dynamix_report.png"),
     "dynamix report dynamix_runs/cli": _contains("2 ranks", "dynamix_report.png"),
-    "dynamix report dynamix_runs/offload": _rank_zero_got_no_fewer(r"batch sizes \[\d+, \d+\] -> \[(\d+, \d+)\]"),
+    "dynamix report dynamix_runs/offload": _moved_within(r"batch sizes \[\d+, \d+\] -> \[(\d+, \d+)\]", 256),
     "dynamix report dynamix_runs/demo/logs": _contains("logs/pid/metrics.csv", "logs/static/metrics.csv"),
     "dynamix simulate --nodes 8 --scenarios 2 --controllers static,pid,goodput,ppo": _contains(
         "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png"
