@@ -83,21 +83,26 @@ def test_a_command_past_its_timeout_is_killed_and_the_server_serves_the_next(ser
 def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
     forks, env, _ = server
     assert forks.serves(dict(env, PYTEST_CURRENT_TEST="another test"))
-    assert not forks.serves(dict(env, OMP_NUM_THREADS="7"))  # torch read the server's at import
+    assert forks.serves(dict(env, OMP_NUM_THREADS="7"))  # a fork sets torch's threads as its import would have
+    assert not forks.serves(dict(env, OMP_NUM_THREADS=""))  # torch's own default for none is not one a fork can set
+    assert not forks.serves(dict(env, OTHER_VARIABLE="3"))  # a library may read it at its import
     # what the server's own imports set, as they set it: a command that imported the same (the test process) has it
     assert forks.preloaded_env[_SET_BY_LIGHTNING] == "1"
     assert forks.serves(dict(env, **{_SET_BY_LIGHTNING: "1"}))
     assert not forks.serves(dict(env, **{_SET_BY_LIGHTNING: "0"}))
 
 
-# a script that starts a rank of its job as Lightning's launcher does, then another with the threads torch reads at
-# its import changed; each rank says who started it
+# a script that starts ranks of its job as Lightning's launcher and torch elastic do (a script, `-u`, `-c`, a console
+# script), then one with a variable changed that a library may read at its import; each rank says who started it
 _LAUNCHER = """
 import json, os, signal, subprocess, sys, time
 if len(sys.argv) > 1:
+    with open(f"/proc/{os.getppid()}/stat") as stat:
+        grandparent = int(stat.read().rsplit(")", 1)[1].split()[1])
     print(json.dumps({"rank": os.environ["LOCAL_RANK"], "pid": os.getpid(), "parent": os.getppid(),
-                      "threads": __import__("torch").get_num_threads(), "session": os.getsid(0) == os.getpid()}),
-          flush=True)
+                      "grandparent": grandparent, "threads": __import__("torch").get_num_threads(),
+                      "session": os.getsid(0) == os.getpid(), "argv": sys.argv, "path0": sys.path[0],
+                      "main": __name__}), flush=True)
     if sys.argv[1] == "sleep":
         time.sleep(120)
     sys.exit(int(sys.argv[1]) if sys.argv[1] != "sleep" else 0)
@@ -108,8 +113,10 @@ statuses = [rank.wait(timeout=60) for rank in ranks]
 with open("rank4.log", "w") as log:  # as a bench starts a job: its own log, threads and session
     logged = subprocess.Popen([sys.executable, os.path.abspath(__file__), "0"], stdout=log, stderr=subprocess.STDOUT,
                               env=dict(os.environ, LOCAL_RANK="4", OMP_NUM_THREADS="3"), start_new_session=True)
-captured = subprocess.run([sys.executable, os.path.abspath(__file__), "7"], capture_output=True, text=True,
-                          env=dict(os.environ, LOCAL_RANK="5"), timeout=60)
+captured = [subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, LOCAL_RANK=rank), timeout=60)
+            for rank, command in [("5", [sys.executable, os.path.abspath(__file__), "7"]),
+                                  ("6", [sys.executable, "-u", "-c", open(__file__).read(), "8"]),  # torch elastic's -u
+                                  ("7", [os.path.join(os.path.dirname(__file__), "tool"), "9"])]]
 sleeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sleep"], env=dict(os.environ, LOCAL_RANK="3"))
 assert sleeper.poll() is None
 try:
@@ -118,16 +125,20 @@ except subprocess.TimeoutExpired:
     sleeper.kill()
 print(json.dumps({"statuses": statuses, "killed": sleeper.wait(timeout=60), "pids": [r.pid for r in ranks],
                   "me": os.getpid(), "logged": [logged.wait(timeout=60), logged.pid],
-                  "captured": [captured.returncode, json.loads(captured.stdout)]}), flush=True)
+                  "captured": [[c.returncode, json.loads(c.stdout)] for c in captured]}), flush=True)
 """
 
 
-def test_a_rank_a_forked_command_starts_is_forked_by_the_server_and_any_other_process_starts_anew(server, tmp_path):
+def test_a_rank_a_forked_command_starts_is_forked_as_its_descendant_and_any_other_process_starts_anew(server, tmp_path):
     import json
+    import sys
 
     forks, env, probes = server
     script = probes / "launcher.py"
     script.write_text(_LAUNCHER)
+    tool = probes / "tool"  # a console script of this interpreter, as torchrun and `accelerate` are
+    tool.write_text(f"#!{sys.executable}\n{_LAUNCHER}")
+    tool.chmod(0o755)
     done = forks.run(str(script), [], tmp_path, env, 120, script=True)
     assert done.returncode == 0, done.output
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
@@ -136,18 +147,102 @@ def test_a_rank_a_forked_command_starts_is_forked_by_the_server_and_any_other_pr
     assert summary["statuses"] == [5, 6]  # each rank's exit status, through the server for the forked one
     assert summary["killed"] == -9
     assert [ranks["1"]["pid"], ranks["2"]["pid"]] == summary["pids"]
-    assert ranks["1"]["parent"] == forks.process.pid  # forked: the job's variables differ from the server's alone
+    # forked (the job's variables differ from the command's alone) by the command's own server, the command's child:
+    # in the command's process tree, as a new Python would be
+    assert ranks["1"]["grandparent"] == done.pid != ranks["1"]["parent"]
     assert ranks["2"]["parent"] == done.pid  # a new Python: a variable a library may read at its import differs
-    assert ranks["3"]["parent"] == forks.process.pid
+    assert ranks["3"]["grandparent"] == done.pid
     assert not ranks["1"]["session"]
     # a job with a log of its own, its threads and a session: forked, torch's threads as OMP_NUM_THREADS says
     logged = json.loads((tmp_path / "rank4.log").read_text())
-    assert logged["parent"] == forks.process.pid
+    assert logged["grandparent"] == done.pid
     assert [logged["pid"], 0] == summary["logged"][::-1]
     assert logged["threads"] == 3
     assert logged["session"]
-    # its output through a pipe, as subprocess.run captures it
-    status, captured = summary["captured"]
-    assert status == 7
-    assert captured["rank"] == "5"
-    assert captured["parent"] == forks.process.pid
+    # outputs through pipes, as subprocess.run captures them: a script, `python -u -c CODE`, a console script
+    (script_status, script_rank), (code_status, code_rank), (tool_status, tool_rank) = summary["captured"]
+    assert [script_status, code_status, tool_status] == [7, 8, 9]
+    assert [rank["rank"] for rank in (script_rank, code_rank, tool_rank)] == ["5", "6", "7"]
+    assert all(rank["grandparent"] == done.pid for rank in (script_rank, code_rank, tool_rank))
+    assert (code_rank["argv"], code_rank["path0"], code_rank["main"]) == (["-c", "8"], "", "__main__")
+    assert (tool_rank["argv"], tool_rank["path0"], tool_rank["main"]) == ([str(tool), "9"], str(probes), "__main__")
+
+
+# a torch elastic worker: says where it runs, then waits to be killed
+_WORKER = """
+import json, os, sys, time
+print(json.dumps({"rank": os.environ["RANK"], "pid": os.getpid()}), flush=True)
+time.sleep(120)
+"""
+
+
+def test_torchrun_forked_has_its_workers_in_its_process_tree_and_a_killed_tree_dies_whole(server, tmp_path):
+    # as lightning_dynamix.bench.cluster preempts a node without notice: every process of the agent's tree, SIGKILL
+    import json
+    import signal
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    forks, env, probes = server
+    (probes / "worker.py").write_text(_WORKER)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "2", str(probes / "worker.py")]
+    with open(tmp_path / "agent.log", "w") as log:
+        agent = forks.popen(command, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while len(workers := [json.loads(line) for line in _lines(tmp_path / "agent.log") if line.startswith("{")]) < 2:
+        assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+        assert time.monotonic() < deadline, (tmp_path / "agent.log").read_text()
+        time.sleep(0.1)
+    tree = [psutil.Process(agent.pid), *psutil.Process(agent.pid).children(recursive=True)]
+    assert {w["pid"] for w in workers} <= {p.pid for p in tree}
+    assert psutil.Process(agent.pid).cmdline()[1:3] == ["-m", "tests.forkserver"]  # forked, not a new Python
+    for process in tree:
+        process.send_signal(signal.SIGKILL)
+    assert agent.wait(timeout=30) == -signal.SIGKILL
+    _, alive = psutil.wait_procs(tree[1:], timeout=30)
+    assert alive == []
+
+
+def _lines(path):
+    return path.read_text().splitlines()
+
+
+# a command that ends as asked, with a non-daemon thread still running and an atexit handler that sees it joined
+_ENDING = """
+import atexit, os, sys, threading, time
+def late():
+    time.sleep(0.3)
+    with open("thread", "w") as out:
+        out.write("joined")
+def at_exit():
+    with open("atexit", "w") as out:
+        out.write(str(os.path.exists("thread")))
+atexit.register(at_exit)
+threading.Thread(target=late).start()
+sys.excepthook = lambda kind, error, trace: print(f"hook: {kind.__name__}: {error}", file=sys.stderr)
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("boom")
+if how == "interrupt":
+    raise KeyboardInterrupt
+sys.exit("a message" if how == "message" else int(how))
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "status", "printed"),
+    [("4", 4, ""), ("raise", 1, "hook: ValueError: boom"), ("message", 1, "a message"),
+     ("interrupt", -2, "hook: KeyboardInterrupt")],
+)  # fmt: skip
+def test_a_forked_command_ends_as_a_new_python_does(server, tmp_path, how, status, printed):
+    forks, env, probes = server
+    (probes / "ending_module.py").write_text(_ENDING)
+    done = forks.run("ending_module", [how], tmp_path, env, 60)
+    assert done.returncode == status, done.output
+    assert printed in done.stderr
+    assert (tmp_path / "thread").read_text() == "joined"  # the non-daemon thread ran to its end
+    assert (tmp_path / "atexit").read_text() == "True"  # then the atexit handlers, as Python's end runs them
