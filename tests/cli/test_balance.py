@@ -237,7 +237,7 @@ def test_bench_tta_trains_fixed_global_batches_and_times_the_controllers_against
 def test_bench_sit_out_times_a_job_whose_sitting_ranks_change_and_refuses_an_unknown_job(tmp_path):
     # 3 ranks, the training rank moving every 4 steps: a new group of training ranks at each of the first moves
     out = tmp_path / "sit.json"
-    printed = dynamix_here(
+    printed = dynamix(
         "bench", "sit-out", "--jobs", "rotate", "--hidden", "16", "--steps", "16", "--every", "4", "--rounds", "1",
         "--output", str(out), cwd=tmp_path,
     )  # fmt: skip

@@ -288,7 +288,7 @@ def test_a_saved_profile_plans_the_same_placement_again_and_another_model_s_is_r
 
 def test_bench_replan_counts_the_placements_fresh_profiles_choose(tmp_path):
     out = tmp_path / "replan.json"
-    dynamix_here(
+    dynamix(
         "bench", "replan", "--runs", "2", "--no-runner", "--throughput", "100000,3e5", "--output", str(out),
         cwd=tmp_path,
     )  # fmt: skip

@@ -17,7 +17,8 @@ import torch
 
 from lightning_dynamix.cli.main import main
 from lightning_dynamix.distributed import job_environment
-from tests.distributed.conftest import JOBS
+from tests import forkserver
+from tests.distributed.conftest import JOBS, PRELOAD
 from tests.distributed.pool import RankPool
 
 pytestmark = pytest.mark.distributed
@@ -38,10 +39,11 @@ def launch(launcher: str | Callable[[int], RankPool], out: Path, *args: str, scr
         command += ["--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0"]
     else:
         command = [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*command, str(JOBS / script), str(out), *args],
-        cwd=out, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    with forkserver.serving(PRELOAD):  # the launcher and its workers forked from a warm Python
+        proc = subprocess.run(
+            [*command, str(JOBS / script), str(out), *args],
+            cwd=out, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
     if proc.returncode != 0:
         pytest.fail(f"{launcher} exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from lightning_dynamix.distributed import job_environment
-from tests.distributed.conftest import JOBS
+from tests import forkserver
+from tests.distributed.conftest import JOBS, PRELOAD
 from tests.distributed.test_regroup import assert_resumed_like_uninterrupted
 
 pytestmark = pytest.mark.distributed
@@ -25,10 +26,11 @@ pytestmark = pytest.mark.distributed
 def torchrun(world: int, out: Path, *args: str, expect: int = 0) -> None:
     env = job_environment(PYTHONPATH=str(JOBS))
     command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc_per_node", str(world)]
-    proc = subprocess.run(
-        [*command, str(JOBS / "accelerate_regroup_job.py"), str(out), *args],
-        cwd=out, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    with forkserver.serving(PRELOAD):  # the launcher and its workers forked from a warm Python
+        proc = subprocess.run(
+            [*command, str(JOBS / "accelerate_regroup_job.py"), str(out), *args],
+            cwd=out, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
     if proc.returncode != expect:
         pytest.fail(f"torchrun exited with {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
 

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from lightning_dynamix.bench.cluster import LocalElasticCluster
-from tests.distributed.conftest import JOBS, import_job
+from tests import forkserver
+from tests.distributed.conftest import JOBS, PRELOAD, import_job
 from tests.distributed.test_regroup import global_steps
 
 pytestmark = pytest.mark.distributed
@@ -62,7 +63,12 @@ def elastic(tmp_path_factory):
     out = tmp_path_factory.mktemp("elastic")
     (out / "hold-w3").touch()
     (out / "hold-w2").touch()
-    with LocalElasticCluster([JOBS / "elastic_job.py", out], out, nnodes="2:3") as cluster:
+    # the agents, the store and the workers forked from a Python that has imported the package (tests/forkserver.py:
+    # the workers of each agent in its own process tree, which preempt walks, as a new Python's would be)
+    with (
+        forkserver.serving(PRELOAD, free=("DYNAMIX_MACHINE_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")),
+        LocalElasticCluster([JOBS / "elastic_job.py", out], out, nnodes="2:3") as cluster,
+    ):
         cluster.add_nodes(["node-0", "node-1", "node-2"])
         held = wait_until(out, cluster, "held", 3, after=0)
         victim = held[0]["machine"]  # the node of rank 0: the workers' store and the checkpoint's writer go too

@@ -12,10 +12,10 @@ print.
 
 A ``dynamix`` subcommand of :data:`IN_PROCESS` (one that starts no process) runs its entry point,
 ``main``, in this process with the command's arguments, in the same working directory: what the
-``dynamix`` script runs, without the 4 s a new Python takes to import torch and Lightning. A ``python SCRIPT
-ARGS`` or ``dynamix ARGS`` command that starts processes (a Lightning job's other ranks) runs forked from a
-Python that has imported them (:mod:`tests.forkserver`; a process of its own, as the command would be). Every
-other command runs with bash.
+``dynamix`` script runs, without the 5 s a new Python takes to import torch and Lightning. A ``python SCRIPT
+ARGS``, ``dynamix ARGS``, ``torchrun ARGS`` or ``accelerate launch ARGS`` command that starts processes (a job's
+other ranks, a launcher's workers) runs forked from a Python that has imported them (:mod:`tests.forkserver`; a
+process of its own, as the command would be, its ranks forked too). Every other command runs with bash.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lightning_dynamix.distributed import job_environment
+from tests import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -211,7 +212,8 @@ PRELOAD = ("lightning_dynamix", "lightning_dynamix.cli.main")
 def forkable(command: str) -> tuple[str, list[str], bool] | None:
     """``(target, args, script)`` to fork ``command`` as ``python SCRIPT ARGS`` (``script``) or ``python -m
     MODULE ARGS`` (``dynamix ARGS`` is ``python -m lightning_dynamix.cli.main ARGS``; ``.venv/bin/python`` is
-    ``python``, a leading ``time`` dropped), or ``None`` where bash must run it."""
+    ``python``, a leading ``time`` dropped; a console script of the interpreter, such as ``torchrun``, is ``python
+    SCRIPT``), or ``None`` where bash must run it."""
     words = _words(command)
     if words[:1] == ["time"]:  # bash's keyword: what it times runs as it would without it
         words = words[1:]
@@ -223,13 +225,13 @@ def forkable(command: str) -> tuple[str, list[str], bool] | None:
         return words[2], words[3:], False
     if len(words) > 1 and words[0] == "dynamix":
         return "lightning_dynamix.cli.main", words[1:], False
+    if words and (script := forkserver.console_script(words[0], environment(), str(ROOT))) is not None:
+        return script, words[1:], True  # torchrun, `accelerate launch`: the kernel runs it as `python SCRIPT ARGS`
     return None
 
 
 def run_forked(target: str, args: list[str], script: bool, command: str, workdir: Path, timeout: float = 600) -> str:
     """``command`` forked (see :func:`forkable`) in ``workdir``; its output, or AssertionError with it."""
-    from tests import forkserver
-
     run = forkserver.run_script if script else forkserver.run_module
     done = run(target, args, workdir, environment(), timeout, PRELOAD)
     if done.returncode != 0:
