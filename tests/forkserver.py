@@ -131,7 +131,14 @@ class ForkServer:
         with tempfile.TemporaryDirectory(prefix="forked-") as out:
             outputs = [os.path.join(out, name) for name in ("stdout", "stderr")]
             kind = "script" if script else "module"
-            request = {kind: target, "args": args, "cwd": str(cwd), "env": env, "outputs": outputs}
+            request = {
+                kind: target,
+                "args": args,
+                "cwd": str(cwd),
+                "env": env,
+                "outputs": outputs,
+                "parent": os.getpid(),
+            }
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
                 connection.connect(self.path)
                 connection.sendall((json.dumps(request) + "\n").encode())
@@ -442,7 +449,13 @@ def _served_request(
     options = words[1:]
     if options[:1] == ["-u"] and env.get("PYTHONUNBUFFERED"):  # the environment asks for unbuffered output anyway
         options = options[1:]
-    where = {"args": options[2:], "cwd": cwd, "env": env, "session": bool(bound["start_new_session"])}
+    where = {
+        "args": options[2:],
+        "cwd": cwd,
+        "env": env,
+        "session": bool(bound["start_new_session"]),
+        "parent": os.getpid(),
+    }
     if len(options) > 1 and options[0] in ("-m", "-c"):
         return {"module" if options[0] == "-m" else "code": options[1], **where}
     if options and not options[0].startswith("-") and os.path.isfile(os.path.join(cwd, options[0])):
@@ -514,9 +527,20 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
     _execute(request)
 
 
+_GETPPID = os.getppid
+
+
 def _enter(request: dict[str, Any], fds: list[int]) -> None:
-    """The request's session, directory, environment and files."""
+    """The request's parent, session, directory, environment and files."""
     global _COMMAND_ENV
+    starter, server = request["parent"], _GETPPID()
+
+    def getppid() -> int:  # the starter while the server that forked this child lives (it dies with the starter,
+        # or, for the tests' own server, soon after the test process); then, re-parented, the real one
+        parent = _GETPPID()
+        return starter if parent == server else parent
+
+    os.getppid = getppid  # code that watches its parent (a busy co-tenant, a server's --parent-pid) sees its starter
     if request.get("session"):
         os.setsid()
     os.chdir(request["cwd"])

@@ -97,10 +97,9 @@ def test_only_a_command_in_the_server_s_own_environment_is_forked(server):
 _LAUNCHER = """
 import json, os, signal, subprocess, sys, time
 if len(sys.argv) > 1:
-    with open(f"/proc/{os.getppid()}/stat") as stat:
-        grandparent = int(stat.read().rsplit(")", 1)[1].split()[1])
+    forked = "torch" in sys.modules  # the server's import: a new Python has not imported it yet
     print(json.dumps({"rank": os.environ["LOCAL_RANK"], "pid": os.getpid(), "parent": os.getppid(),
-                      "grandparent": grandparent, "threads": __import__("torch").get_num_threads(),
+                      "forked": forked, "threads": __import__("torch").get_num_threads(),
                       "session": os.getsid(0) == os.getpid(), "argv": sys.argv, "path0": sys.path[0],
                       "main": __name__}), flush=True)
     if sys.argv[1] == "sleep":
@@ -119,11 +118,14 @@ captured = [subprocess.run(command, capture_output=True, text=True, env=dict(os.
                                   ("7", [os.path.join(os.path.dirname(__file__), "tool"), "9"])]]
 sleeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "sleep"], env=dict(os.environ, LOCAL_RANK="3"))
 assert sleeper.poll() is None
+import psutil
+in_tree = sleeper.pid in [p.pid for p in psutil.Process().children(recursive=True)]
 try:
     sleeper.wait(timeout=0.2)
 except subprocess.TimeoutExpired:
     sleeper.kill()
 print(json.dumps({"statuses": statuses, "killed": sleeper.wait(timeout=60), "pids": [r.pid for r in ranks],
+                  "in_tree": in_tree,
                   "me": os.getpid(), "logged": [logged.wait(timeout=60), logged.pid],
                   "captured": [[c.returncode, json.loads(c.stdout)] for c in captured]}), flush=True)
 """
@@ -148,14 +150,16 @@ def test_a_rank_a_forked_command_starts_is_forked_as_its_descendant_and_any_othe
     assert summary["killed"] == -9
     assert [ranks["1"]["pid"], ranks["2"]["pid"]] == summary["pids"]
     # forked (the job's variables differ from the command's alone) by the command's own server, the command's child:
-    # in the command's process tree, as a new Python would be
-    assert ranks["1"]["grandparent"] == done.pid != ranks["1"]["parent"]
-    assert ranks["2"]["parent"] == done.pid  # a new Python: a variable a library may read at its import differs
-    assert ranks["3"]["grandparent"] == done.pid
+    # in the command's process tree, its parent the command, as a new Python's would be
+    assert ranks["1"]["forked"]
+    assert not ranks["2"]["forked"]  # a new Python: a variable a library may read at its import differs
+    assert ranks["3"]["forked"]
+    assert summary["in_tree"]
+    assert all(rank["parent"] == done.pid for rank in ranks.values())
     assert not ranks["1"]["session"]
     # a job with a log of its own, its threads and a session: forked, torch's threads as OMP_NUM_THREADS says
     logged = json.loads((tmp_path / "rank4.log").read_text())
-    assert logged["grandparent"] == done.pid
+    assert logged["forked"]
     assert [logged["pid"], 0] == summary["logged"][::-1]
     assert logged["threads"] == 3
     assert logged["session"]
@@ -163,7 +167,7 @@ def test_a_rank_a_forked_command_starts_is_forked_as_its_descendant_and_any_othe
     (script_status, script_rank), (code_status, code_rank), (tool_status, tool_rank) = summary["captured"]
     assert [script_status, code_status, tool_status] == [7, 8, 9]
     assert [rank["rank"] for rank in (script_rank, code_rank, tool_rank)] == ["5", "6", "7"]
-    assert all(rank["grandparent"] == done.pid for rank in (script_rank, code_rank, tool_rank))
+    assert all(rank["forked"] for rank in (script_rank, code_rank, tool_rank))
     assert (code_rank["argv"], code_rank["path0"], code_rank["main"]) == (["-c", "8"], "", "__main__")
     assert (tool_rank["argv"], tool_rank["path0"], tool_rank["main"]) == ([str(tool), "9"], str(probes), "__main__")
 
@@ -246,3 +250,25 @@ def test_a_forked_command_ends_as_a_new_python_does(server, tmp_path, how, statu
     assert printed in done.stderr
     assert (tmp_path / "thread").read_text() == "joined"  # the non-daemon thread ran to its end
     assert (tmp_path / "atexit").read_text() == "True"  # then the atexit handlers, as Python's end runs them
+
+
+# a command that starts a busy co-tenant as the benches do (it ends once its starter is gone), checks it runs, and ends
+_STARTS_BUSY = """
+import time
+from lightning_dynamix.bench.contention import start_busy
+busy = start_busy()
+time.sleep(1.0)
+assert busy.poll() is None, busy.returncode  # it sees its starter as its parent
+print(busy.pid, flush=True)
+"""
+
+
+def test_a_forked_child_that_watches_its_parent_sees_its_starter_and_then_its_end(server, tmp_path):
+    import psutil
+
+    forks, env, probes = server
+    (probes / "starts_busy.py").write_text(_STARTS_BUSY)
+    done = forks.run("starts_busy", [], tmp_path, env, 60)
+    assert done.returncode == 0, done.output
+    busy = psutil.Process(int(done.stdout.split()[-1]))
+    busy.wait(timeout=30)  # it saw its starter end, as a new Python re-parented does
