@@ -22,10 +22,12 @@ of its own where asked. ``Popen`` returns as it would, its ``pid``, ``poll``, ``
 reading the forking server's word on the child. The forking server is the command's own (:func:`_own_server`): a
 fork of the command made before it ran, so the Pythons it starts are its descendants, as a new Python's children are
 (torch elastic's agents' workers are found by walking the tree, as ``lightning_dynamix.bench.cluster`` preempts a
-node). A forked child has the CPU affinity and cgroup its command had at its start: the benches that pin ranks say
-so in their environment (``DYNAMIX_BENCH_CPUS``, ``DYNAMIX_BENCH_CGROUP``), which is not free, so those ranks start
-anew. :func:`popen` and :func:`serving` do the same for the processes a test starts (a pool of ranks, a replica, a
-launcher, a local torch elastic cluster). Every other process starts as it would anywhere.
+node), and its ``os.getppid()`` is the command while that server lives, as code that watches its parent expects (a
+busy co-tenant, a server's ``--parent-pid``), then, once both are gone, the real one. A forked child has the CPU
+affinity and cgroup its command had at its start: the benches that pin ranks say so in their environment
+(``DYNAMIX_BENCH_CPUS``, ``DYNAMIX_BENCH_CGROUP``), which is not free, so those ranks start anew. :func:`popen` and
+:func:`serving` do the same for the processes a test starts (a pool of ranks, a replica, a launcher, a local torch
+elastic cluster). Every other process starts as it would anywhere.
 
 The server forks only while it runs one Python thread (it refuses to start otherwise), and only for a command whose
 environment is the server's own but for what a launcher sets and what the server's imports set as the command has it
