@@ -257,7 +257,7 @@ def _serve(path: str, preload: list[str]) -> tuple[dict[str, Any], list[int]] | 
     listener.listen()
     os.rename(path + ".new", path)  # the client waits for the name: it appears once the server listens
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    return _listen(listener, os.getppid())
+    return _listen(listener, _GETPPID())
 
 
 def _listen(listener: socket.socket, parent: int) -> tuple[dict[str, Any], list[int]] | None:
@@ -304,7 +304,7 @@ def _listen(listener: socket.socket, parent: int) -> tuple[dict[str, Any], list[
                 with contextlib.suppress(OSError):  # unless the client gave up (a timeout) and killed it
                     connection.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
                 connection.close()
-        if os.getppid() != parent:  # the test process (for a command's own server: the command) is gone
+        if _GETPPID() != parent:  # the test process (for a command's own server: the command) is gone
             return None
 
 
@@ -321,7 +321,8 @@ def _receive(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
     return json.loads(data), list(fds)
 
 
-# in the processes the server forks: its socket, its environment once it imported its preload, the command's
+# in the processes a server forks: the socket of the server that forks the Pythons they start (the top server's, then
+# each command's own), the top server's environment once it imported its preload, the command's
 _SERVER: str | None = None
 _PRELOADED_ENV: dict[str, str] = {}
 _COMMAND_ENV: dict[str, str] = {}
@@ -338,6 +339,7 @@ _FREE = (
 
 
 _POPEN = subprocess.Popen
+_GETPPID = os.getppid  # the real one: a forked child's is its starter's (:func:`_enter`)
 _EXECUTE_CHILD = inspect.signature(subprocess.Popen._execute_child)
 # Popen's ways of starting a child that a fork cannot honour (a fork server's child is the server's, not ours)
 _UNSERVED = {"preexec_fn": None, "pass_fds": (), "shell": False, "gid": None, "gids": None, "uid": None, "umask": -1}
@@ -451,18 +453,14 @@ def _served_request(
     options = words[1:]
     if options[:1] == ["-u"] and env.get("PYTHONUNBUFFERED"):  # the environment asks for unbuffered output anyway
         options = options[1:]
-    where = {
-        "args": options[2:],
-        "cwd": cwd,
-        "env": env,
-        "session": bool(bound["start_new_session"]),
-        "parent": os.getpid(),
-    }
     if len(options) > 1 and options[0] in ("-m", "-c"):
-        return {"module" if options[0] == "-m" else "code": options[1], **where}
-    if options and not options[0].startswith("-") and os.path.isfile(os.path.join(cwd, options[0])):
-        return {"script": options[0], **where, "args": options[1:]}
-    return None
+        target, args = {"module" if options[0] == "-m" else "code": options[1]}, options[2:]
+    elif options and not options[0].startswith("-") and os.path.isfile(os.path.join(cwd, options[0])):
+        target, args = {"script": options[0]}, options[1:]
+    else:
+        return None
+    where = {"cwd": cwd, "env": env, "session": bool(bound["start_new_session"]), "parent": os.getpid()}
+    return {**target, "args": args, **where}
 
 
 def console_script(program: str, env: dict[str, str], cwd: str) -> str | None:
@@ -529,9 +527,6 @@ def _run(request: dict[str, Any], fds: list[int]) -> None:
     _execute(request)
 
 
-_GETPPID = os.getppid
-
-
 def _enter(request: dict[str, Any], fds: list[int]) -> None:
     """The request's parent, session, directory, environment and files."""
     global _COMMAND_ENV
@@ -587,7 +582,7 @@ def _own_server() -> tuple[dict[str, Any], list[int]] | None:
         listener.close()
         return None
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != command:  # it ended before the line above
+    if _GETPPID() != command:  # it ended before the line above
         os._exit(0)
     for number in handlers:
         signal.signal(number, signal.SIG_IGN)

@@ -255,11 +255,12 @@ def test_a_forked_command_ends_as_a_new_python_does(server, tmp_path, how, statu
 # a command that starts a busy co-tenant as the benches do (it ends once its starter is gone), checks it runs, and ends
 _STARTS_BUSY = """
 import time
+import psutil
 from lightning_dynamix.bench.contention import start_busy
 busy = start_busy()
 time.sleep(1.0)
 assert busy.poll() is None, busy.returncode  # it sees its starter as its parent
-print(busy.pid, flush=True)
+print(psutil.Process(busy.pid).cmdline()[1:3], busy.pid, flush=True)  # forked: the server's command line
 """
 
 
@@ -270,5 +271,6 @@ def test_a_forked_child_that_watches_its_parent_sees_its_starter_and_then_its_en
     (probes / "starts_busy.py").write_text(_STARTS_BUSY)
     done = forks.run("starts_busy", [], tmp_path, env, 60)
     assert done.returncode == 0, done.output
+    assert done.stdout.startswith("['-m', 'tests.forkserver']"), done.stdout  # forked, so its parent is not its starter
     busy = psutil.Process(int(done.stdout.split()[-1]))
     busy.wait(timeout=30)  # it saw its starter end, as a new Python re-parented does
