@@ -8,17 +8,20 @@ joins a gloo process group of that timeout, then reads one task per line of stan
 ``{"id": ..., "script": ..., "argv": [...], "cwd": ...}``: it runs a job script (:func:`run_script`);
 writes the returned value with ``torch.save`` to ``<out>/<id>-rank<r>.pt`` and answers on a line of
 its own, after everything else the task printed: ``@@done <id>`` or ``@@failed <id>`` with the
-traceback before it. A script that ends the process group (Accelerate's ``end_training`` does) finds it formed
+traceback before it. Every task finds the process as the pool started it (:func:`restored`), whatever the tasks
+before it changed. A task that ends the process group (Accelerate's ``end_training`` does) finds it formed
 anew at the next task, on the port the task names. An empty line or the end of standard input ends the worker
 at once.
 """
 
+import contextlib
 import importlib
 import json
 import os
 import runpy
 import sys
 import traceback
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,21 +33,12 @@ JOBS = Path(__file__).resolve().parent
 
 
 def run_script(script: str, argv: list[str], cwd: str) -> None:
-    """Run ``jobs/<script>`` as ``python script argv...`` would (``__main__``, ``sys.argv``), in ``cwd``, then
-    give the process back as it was: the default dtype, torch's threads, the environment and the directory, and
-    Accelerate's process-wide state reset.
+    """Run ``jobs/<script>`` as ``python script argv...`` would (``__main__``, ``sys.argv``), in ``cwd``.
 
     A job script started by Lightning's launcher, or one for Accelerate's, finds the pool's process group already
     formed and the launcher's variables set (as under ``torchrun``): every rank runs it at once, each with its own
     rank.
     """
-    dtype, threads, environ, directory, saved_argv = (
-        torch.get_default_dtype(),
-        torch.get_num_threads(),
-        dict(os.environ),
-        os.getcwd(),
-        sys.argv,
-    )
     sys.argv = [str(JOBS / script), *argv]
     os.chdir(cwd)
     try:
@@ -52,8 +46,25 @@ def run_script(script: str, argv: list[str], cwd: str) -> None:
     except SystemExit as exit_:
         if exit_.code not in (0, None):
             raise
+
+
+@contextlib.contextmanager
+def restored() -> Iterator[None]:
+    """Give the process back as it was after a task, a script or a function: the environment, the directory,
+    ``sys.argv``, the default dtype and torch's threads, and Accelerate's process-wide state reset. A task finds the
+    process as the pool started it, whatever ran before it on the same ranks (Lightning's teardown deletes
+    ``WORLD_SIZE``, which the next process group formed here reads)."""
+    dtype, threads, environ, directory, argv = (
+        torch.get_default_dtype(),
+        torch.get_num_threads(),
+        dict(os.environ),
+        os.getcwd(),
+        sys.argv,
+    )
+    try:
+        yield
     finally:
-        sys.argv = saved_argv
+        sys.argv = argv
         os.chdir(directory)
         os.environ.clear()
         os.environ.update(environ)
@@ -75,16 +86,17 @@ def main() -> None:
             break
         task = json.loads(line)
         try:
-            if not dist.is_initialized():  # the last script ended it (Accelerate's end_training does), on every
+            if not dist.is_initialized():  # the last task ended it (Accelerate's end_training does), on every
                 # rank: the test sends a task once all have answered. A new store on a new port: the old one may
                 # outlive its group where something still holds it, and a rank that met there would never return
                 os.environ["MASTER_PORT"] = task["master_port"]
                 dist.init_process_group("gloo", timeout=timeout)
-            if "script" in task:
-                result = run_script(task["script"], task["argv"], task["cwd"])
-            else:
-                job = importlib.import_module(task["job"])
-                result = getattr(job, task["function"])(**task["kwargs"])
+            with restored():
+                if "script" in task:
+                    result = run_script(task["script"], task["argv"], task["cwd"])
+                else:
+                    job = importlib.import_module(task["job"])
+                    result = getattr(job, task["function"])(**task["kwargs"])
             torch.save(result, Path(task["out"]) / f"{task['id']}-rank{rank}.pt")
         except BaseException:
             traceback.print_exc()
