@@ -71,9 +71,17 @@ class LocalElasticCluster:
             store on the last host, which no node uses: a rendezvous server on a machine of its own. The agents
             meet at that host's address, each advertises its own (``--local-addr``), and gloo uses the hosts'
             interface. ``None``: everything on 127.0.0.1.
+        keep_alive_interval: whole seconds between an agent's heartbeats to the rendezvous.
+        keep_alive_max_attempt: heartbeats a node may miss before the others drop it from the rendezvous. Their
+            product is how long a node lost without leaving (a SIGTERM or a SIGKILL: torch elastic's agent does not
+            leave the rendezvous on a signal) holds the survivors' next rendezvous up. Too short for the machine's
+            load, and a node drops live ones: where it drops every node of a running group, it opens a new round
+            that the running agents never see (they watch the waiting list), and waits there until its
+            ``join_timeout``. 10 by default: what a loaded machine delays a heartbeat by is in docs/elastic.md.
 
     Raises:
-        ValueError: for a node more than ``hosts`` has hosts for (one is kept for the store).
+        ValueError: for a node more than ``hosts`` has hosts for (one is kept for the store); at construction,
+            for ``keep_alive_interval`` or ``keep_alive_max_attempt`` not an int >= 1.
     """
 
     def __init__(
@@ -85,7 +93,16 @@ class LocalElasticCluster:
         env: dict[str, str] | None = None,
         run_id: str = "dynamix",
         hosts: Hosts | None = None,
+        keep_alive_interval: int = 1,
+        keep_alive_max_attempt: int = 10,
     ) -> None:
+        for name, value in (
+            ("keep_alive_interval", keep_alive_interval),
+            ("keep_alive_max_attempt", keep_alive_max_attempt),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1 (torch elastic reads it as one), got {value!r}")
+        self.keep_alive_interval, self.keep_alive_max_attempt = keep_alive_interval, keep_alive_max_attempt
         self.command, self.out = [str(a) for a in command], Path(out)
         self.hosts = hosts
         self.host_of: dict[str, int] = {}
@@ -162,8 +179,8 @@ class LocalElasticCluster:
             sys.executable, "-c", AGENT, str(gate.with_name(f"{gate.name}.{name}")), str(gate),
             "--nnodes", self.nnodes, "--nproc-per-node", "1", "--max-restarts", str(self.max_restarts),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{store}:{self.port}", "--rdzv-id", self.run_id,
-            "--rdzv-conf", "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,"
-            "join_timeout=120",
+            "--rdzv-conf", "is_host=false,last_call_timeout=2,join_timeout=120,"
+            f"keep_alive_interval={self.keep_alive_interval},keep_alive_max_attempt={self.keep_alive_max_attempt}",
             "--local-addr", local, "--monitor-interval", "0.5",
             *self.command,
         ]  # fmt: skip

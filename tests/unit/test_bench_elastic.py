@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from lightning_dynamix.bench import elastic
+from lightning_dynamix.bench.cluster import LocalElasticCluster
 
 
 def timeline(*events):
@@ -105,3 +106,17 @@ def test_bad_arguments_are_refused_before_any_job_starts(argv, message):
     elastic.add_arguments(parser)
     with pytest.raises(SystemExit, match=message):
         elastic.run(parser.parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("keep_alive_interval", 0),
+        ("keep_alive_interval", 0.5),
+        ("keep_alive_max_attempt", 0),
+        ("keep_alive_max_attempt", True),
+    ],
+)
+def test_the_local_cluster_refuses_a_keep_alive_torch_elastic_could_not_read(tmp_path, name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be an int >= 1 .* got {value!r}"):
+        LocalElasticCluster(["job.py"], tmp_path, nnodes="2:3", **{name: value})
