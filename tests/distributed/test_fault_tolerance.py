@@ -186,29 +186,31 @@ SECONDS_PER_SAMPLE = {"r0": 0.001, "r1": 0.004, "r2": 0.002, "r3": 0.001}
 
 @pytest.fixture(scope="module")
 def balanced(tmp_path_factory):
-    """pid decides the sizes (every 2 steps, on virtual clocks): r0, r1 and r2 train; r1 is killed inside a step
-    after the first decision on the three; r3 joins once the others have decided on their own."""
+    """pid decides the sizes (every 2 steps, on virtual clocks): r0, r1 and r2 train; r1 dies inside a step after
+    the first decision on the three; r3 joins once the others have decided on their own. The replicas time the
+    death and the join's step themselves (jobs/ft_balanced_job.py), so a test process that a loaded machine slows
+    cannot let them run past either: r0 and r2 wait after their decision on the two until r3's replica is made."""
     out = tmp_path_factory.mktemp("ft-balanced")
     join = out / "join"
     with Lighthouse(min_replicas=1, heartbeat_timeout=2.0) as lighthouse:
         processes = {}
         for name, seconds in SECONDS_PER_SAMPLE.items():
             joins = join if name == "r3" else None
+            timing = {
+                "r1": {"DIE_AFTER_DECIDING_ON": "3"},
+                "r3": {},
+            }.get(name, {"HOLD_AFTER_DECIDING_ON": "2", "HOLD_FILE": str(out / "r3.ready")})
             processes[name] = start_replica(
-                "ft_balanced_job.py", lighthouse.address, name, out, seconds, 0.05, join_file=joins
+                "ft_balanced_job.py", lighthouse.address, name, out, seconds, 0.05, join_file=joins, **timing
             )
         try:
             on = lambda name, machines: [  # noqa: E731
                 s for s in steps_of(out, name) if s["committed"] and s["decided_here"] and s["machines"] == machines
             ]
-            wait_for(lambda: on("r1", ["r0", "r1", "r2"]), "a decision on r0, r1 and r2")
-            decided = on("r1", ["r0", "r1", "r2"])[0]["step"]
-            # r1 trains one step at the decided sizes, then dies inside the next
-            after = lambda: [s for s in steps_of(out, "r1") if s["committed"] and s["step"] > decided]  # noqa: E731
-            wait_for(after, "r1's step after the decision")
-            (out / "r1.die").touch()
-            assert processes["r1"].wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
+            # r1 trains one step at the sizes decided on the three, then dies inside the next
+            assert processes["r1"].wait(timeout=120) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
             # on a loaded machine r1 may start late: r0 and r2 then decide on their own before it joins, too
+            decided = on("r0", ["r0", "r1", "r2"])[0]["step"]
             wait_for(lambda: [s for s in on("r0", ["r0", "r2"]) if s["step"] > decided], "a decision on r0 and r2")
             join.touch()
             for name in ("r0", "r2", "r3"):

@@ -8,9 +8,18 @@ and so decides, is the same on every run. Writes OUT_DIR/REPLICA_ID.jsonl, one l
 (common.write_plan, with the balancer's decided sizes by machine and the controller's machines and speeds),
 and OUT_DIR/REPLICA_ID.pt with its final parameters. It sleeps STEP_SECONDS (real time) in each step, or dies
 there once OUT_DIR/REPLICA_ID.die exists (common.inside_a_step). With JOIN_FILE it joins once that file exists.
+Once its replica is made it writes OUT_DIR/REPLICA_ID.ready.
+
+The job, not the test, times what must happen at a step, so that a test process slowed by a loaded machine cannot
+let the replicas run past it: with DIE_AFTER_DECIDING_ON=N in the environment the replica dies inside the second
+step after the controller first decided sizes for N machines (one step trained at those sizes); with
+HOLD_AFTER_DECIDING_ON=N and HOLD_FILE, once the controller decides for N machines after deciding for more (a
+machine gone), it waits before its next step until HOLD_FILE exists.
 """
 
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +36,9 @@ NUM_SAMPLES, GLOBAL_BATCH, STEPS, INTERVAL = 120, 12, 30, 2
 lighthouse, replica_id, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 seconds_per_sample, pause = float(sys.argv[4]), float(sys.argv[5])
 join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
+die_after = int(os.environ.get("DIE_AFTER_DECIDING_ON", 0))
+hold_after = int(os.environ.get("HOLD_AFTER_DECIDING_ON", 0))
+hold_file = Path(os.environ["HOLD_FILE"]) if hold_after else None
 
 data = IndexedDataset(NUM_SAMPLES)
 network = make_network(0)
@@ -48,7 +60,10 @@ replica = FaultTolerantReplica(
     balancer=balancer,
     time_source=HostClock(lambda: now[0]),
 )
+(out / f"{replica_id}.ready").touch()
 log = (out / f"{replica_id}.jsonl").open("a")
+decided_on: dict[int, int] = {}  # machines -> the step the controller first decided sizes for that many
+held = False
 names = {machine_key(f"r{i}"): f"r{i}" for i in range(4)}
 while replica.step < STEPS:
     decisions = len(balancer.history)
@@ -60,6 +75,8 @@ while replica.step < STEPS:
     loss = F.cross_entropy(network(data.x[index]), data.y[index])
     loss.backward()
     now[0] += seconds_per_sample * plan.batch_size
+    if die_after in decided_on and plan.step == decided_on[die_after] + 2:
+        (out / f"{replica_id}.die").touch()
     inside_a_step(out, replica_id, plan.step, pause)
     replica.sync_gradients(network.parameters())
     committed = replica.commit()
@@ -77,5 +94,13 @@ while replica.step < STEPS:
         speeds=speeds,
         joined=replica.joined,
     )
+    machines = len(maker.machine_ids or [])
+    if len(balancer.history) > decisions:
+        fewer = any(more > machines for more in decided_on)
+        decided_on.setdefault(machines, plan.step)
+        if hold_file is not None and machines == hold_after and fewer and not held:
+            held = True
+            while not hold_file.exists():
+                time.sleep(0.01)
 torch.save({k: v.clone() for k, v in network.state_dict().items()}, out / f"{replica_id}.pt")
 replica.close()
