@@ -65,23 +65,25 @@ def wait_for(condition, what: str, timeout: float = 60.0) -> None:
 )
 def killed_and_joined(request, tmp_path_factory):
     """Three replicas asking for 8, 4 and 2 samples: r0 and r1 start, r1 is killed (SIGKILL, no notice: it sends
-    it itself, so that the step it dies in is never a race) inside a step after three it trained beside r0, and
+    it itself, so that the step it dies in is never a race) inside the step after three it trained beside r0, and
     r2 joins once r0 has committed eight steps; r0 and r2 train to the job's end. The step r1 died in is
-    written to ``killed``."""
+    written to ``killed``. The replicas time the death and the join themselves (jobs/common.py): r0 waits after
+    its eighth step and the one r1 died in until r2's replica is made, so that a test process slowed by a loaded
+    machine cannot let it finish first."""
     out = tmp_path_factory.mktemp("ft")
     join = out / "join"
+    hold = {"HOLD_AFTER_STEPS": "8", "KILLED_FILE": str(out / "killed"), "HOLD_FILE": str(out / "r2.ready")}
     # a heartbeat 2 s late drops a replica: a loaded machine never delays one that long
     with Lighthouse(min_replicas=1, heartbeat_timeout=2.0) as lighthouse:
-        r0 = start_replica(request.param, lighthouse.address, "r0", out, 8, 0.2)
-        r1 = start_replica(request.param, lighthouse.address, "r1", out, 4, 0.2)
+        r0 = start_replica(request.param, lighthouse.address, "r0", out, 8, 0.2, **hold)
+        r1 = start_replica(request.param, lighthouse.address, "r1", out, 4, 0.2, DIE_AFTER_STEPS_BESIDE="3")
         r2 = start_replica(request.param, lighthouse.address, "r2", out, 2, 0.2, join_file=join)
         processes = [r0, r1, r2]
         try:
             # r1 has trained three steps beside r0 (however late it started): it dies inside its next one
-            beside = lambda: sum(s["committed"] and len(s["sizes"]) == 2 for s in steps_of(out, "r1"))  # noqa: E731
-            wait_for(lambda: beside() >= 3, "r1's third committed step beside r0")
-            (out / "r1.die").touch()
-            assert r1.wait(timeout=60) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
+            assert r1.wait(timeout=120) == -signal.SIGKILL, (out / "r1.log").read_text()[-3000:]
+            beside = sum(s["committed"] and len(s["sizes"]) == 2 for s in steps_of(out, "r1"))
+            assert beside == 3, steps_of(out, "r1")
             # r2 joins once r0 has committed eight steps and, alone, the step r1 died in (not while r0 retries it)
             killed = int((out / "killed").read_text())
             committed = lambda: [s["step"] for s in steps_of(out, "r0") if s["committed"]]  # noqa: E731

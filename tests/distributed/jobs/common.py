@@ -283,15 +283,30 @@ def wait_to_join(join_file) -> None:
         time.sleep(0.01)
 
 
+def replica_made(out, replica_id: str) -> None:
+    """Called by a fault-tolerant replica (ft_*_job.py) once its replica is made, before its first step: writes
+    ``<out>/<replica_id>.ready``, which a replica told to hold (:func:`write_plan`) may be waiting for."""
+    (out / f"{replica_id}.ready").touch()
+
+
+# the steps this replica committed, and how many of them beside another replica (write_plan keeps them)
+_committed: list[int] = []
+_beside = [0]
+_held = [False]
+
+
 def inside_a_step(out, replica_id: str, step: int, pause: float) -> None:
     """Called inside every step of a fault-tolerant replica (ft_*_job.py), before its gradients are synchronised:
-    where the test left ``<out>/<replica_id>.die``, the replica writes the step to ``<out>/killed`` and SIGKILLs
-    itself (a machine lost without notice, at a step the test cannot miss); otherwise it sleeps ``pause``."""
+    where the test left ``<out>/<replica_id>.die``, or where ``DIE_AFTER_STEPS_BESIDE=N`` is in the environment
+    and the replica has committed N steps beside another, the replica writes the step to ``<out>/killed`` and
+    SIGKILLs itself (a machine lost without notice, at a step no test process, however slowed by a loaded
+    machine, can miss); otherwise it sleeps ``pause``."""
     import os
     import signal
     import time
 
-    if (out / f"{replica_id}.die").exists():
+    beside = int(os.environ.get("DIE_AFTER_STEPS_BESIDE", 0))
+    if (out / f"{replica_id}.die").exists() or 0 < beside <= _beside[0]:
         (out / "killed").write_text(str(step))
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(pause)
@@ -299,9 +314,20 @@ def inside_a_step(out, replica_id: str, step: int, pause: float) -> None:
 
 def write_plan(log, plan, replica, committed: bool, **extra) -> None:
     """One line of a fault-tolerant replica's log (ft_*_job.py): the step's plan, whether it was committed,
-    the steps the replica saw fail so far, the time, and ``extra``."""
+    the steps the replica saw fail so far, the time, and ``extra``.
+
+    With ``HOLD_AFTER_STEPS=N``, ``HOLD_FILE`` and ``KILLED_FILE`` in the environment, once the replica has
+    committed N steps and the step ``KILLED_FILE`` names, it waits here (once) until ``HOLD_FILE`` exists: the
+    replica that is to join (:func:`replica_made`) then finds the job still running, however late a loaded
+    machine lets the test start it."""
     import json
+    import os
     import time
+    from pathlib import Path
+
+    if committed:
+        _committed.append(plan.step)
+        _beside[0] += len(plan.batch_sizes) > 1
 
     line = {
         "step": plan.step,
@@ -317,3 +343,11 @@ def write_plan(log, plan, replica, committed: bool, **extra) -> None:
     }
     log.write(json.dumps(line) + "\n")
     log.flush()
+    hold_after = int(os.environ.get("HOLD_AFTER_STEPS", 0))
+    if hold_after and not _held[0] and len(_committed) >= hold_after:
+        killed = Path(os.environ["KILLED_FILE"])
+        step = killed.read_text() if killed.exists() else ""
+        if step.isdigit() and int(step) in _committed:  # (a file being written reads empty)
+            _held[0] = True
+            while not Path(os.environ["HOLD_FILE"]).exists():
+                time.sleep(0.01)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, wait_to_join, write_plan
+from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_made, wait_to_join, write_plan
 
 from lightning_dynamix.integrations.fault_tolerant_accelerate import FaultTolerantAccelerate
 
@@ -31,6 +31,7 @@ dynamix = FaultTolerantAccelerate(
     accelerator, GLOBAL_BATCH, lighthouse=lighthouse, replica_id=replica_id, batch_size=batch_size, seed=3, timeout=5.0
 )
 model, optimizer = dynamix.prepare(network, optimizer, train_dataset=IndexedDataset(NUM_SAMPLES))
+replica_made(out, replica_id)
 log = (out / f"{replica_id}.jsonl").open("a")
 for _, x, y in dynamix.batches(max_steps=STEPS):
     loss = F.cross_entropy(model(x), y)

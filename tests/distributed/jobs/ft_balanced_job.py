@@ -8,7 +8,7 @@ and so decides, is the same on every run. Writes OUT_DIR/REPLICA_ID.jsonl, one l
 (common.write_plan, with the balancer's decided sizes by machine and the controller's machines and speeds),
 and OUT_DIR/REPLICA_ID.pt with its final parameters. It sleeps STEP_SECONDS (real time) in each step, or dies
 there once OUT_DIR/REPLICA_ID.die exists (common.inside_a_step). With JOIN_FILE it joins once that file exists.
-Once its replica is made it writes OUT_DIR/REPLICA_ID.ready.
+Once its replica is made it writes OUT_DIR/REPLICA_ID.ready (common.replica_made).
 
 The job, not the test, times what must happen at a step, so that a test process slowed by a loaded machine cannot
 let the replicas run past it: with DIE_AFTER_DECIDING_ON=N in the environment the replica dies inside the second
@@ -24,7 +24,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_state, wait_to_join, write_plan
+from common import (
+    IndexedDataset,
+    inside_a_step,
+    make_network,
+    make_optimizer,
+    replica_made,
+    replica_state,
+    wait_to_join,
+    write_plan,
+)
 
 from lightning_dynamix.control import PIDController
 from lightning_dynamix.decisions import DecisionMaker, ReplicaBalancer
@@ -60,7 +69,7 @@ replica = FaultTolerantReplica(
     balancer=balancer,
     time_source=HostClock(lambda: now[0]),
 )
-(out / f"{replica_id}.ready").touch()
+replica_made(out, replica_id)
 log = (out / f"{replica_id}.jsonl").open("a")
 decided_on: dict[int, int] = {}  # machines -> the step the controller first decided sizes for that many
 held = False

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from common import Net, inside_a_step, quiet_trainer, wait_to_join, write_plan
+from common import Net, inside_a_step, quiet_trainer, replica_made, wait_to_join, write_plan
 from lightning.pytorch import Callback
 
 from lightning_dynamix.callbacks import DynamixCallback
@@ -43,6 +43,9 @@ class Slow(Net):
 class Log(Callback):
     def __init__(self):
         self.file = (out / f"{replica_id}.jsonl").open("a")
+
+    def on_train_start(self, trainer, pl_module):
+        replica_made(out, replica_id)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         strategy = trainer.strategy

@@ -14,7 +14,16 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from common import IndexedDataset, inside_a_step, make_network, make_optimizer, replica_state, wait_to_join, write_plan
+from common import (
+    IndexedDataset,
+    inside_a_step,
+    make_network,
+    make_optimizer,
+    replica_made,
+    replica_state,
+    wait_to_join,
+    write_plan,
+)
 
 from lightning_dynamix.distributed.fault_tolerance import FaultTolerantReplica
 
@@ -40,6 +49,7 @@ replica = FaultTolerantReplica(
     seed=3,
     timeout=5.0,
 )
+replica_made(out, replica_id)
 log = (out / f"{replica_id}.jsonl").open("a")
 while replica.step < STEPS:
     plan = replica.begin_step(batch_size)
