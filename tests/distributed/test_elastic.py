@@ -5,7 +5,8 @@ jobs/elastic_job.py) train with PreemptionCheckpoint. The node of rank 0 gets a 
 (every process of it, as a machine's shutdown sends): every rank saves the same step and exits,
 torch elastic restarts the two survivors, which resume the checkpoint with ``ckpt_path="last"``.
 Then a fourth agent starts: torch elastic stops the two (a SIGTERM each, so they save again) and
-restarts three, which finish the job. No launcher is restarted by hand.
+restarts three, which finish the job (on a loaded machine an agent may miss a rendezvous's last call: the group
+then forms on two and grows to three at the next). No launcher is restarted by hand.
 """
 
 from __future__ import annotations
@@ -99,9 +100,14 @@ def test_torch_elastic_restarts_the_survivors_then_grows_back_and_the_job_finish
     assert all(code == 0 for code in finishers.values()), (codes, logs)
     assert codes[victim] is not None
     assert codes[victim] != 0  # the preempted agent stopped for good
-    worlds = [len(launch["ranks"]) for launch in elastic["launches"]]
-    assert worlds[-3:] == [3, 2, 3]
-    last = elastic["launches"][-1]["ranks"]
+    launches = elastic["launches"]
+    worlds = [len(launch["ranks"]) for launch in launches]
+    # three nodes, then the two survivors; then, once node-3 is in, three again. A node that reaches the
+    # rendezvous after its last call (a loaded machine) misses a round: the group forms on two and grows again
+    assert worlds[0] == 3
+    assert {r["machine"] for r in launches[1]["ranks"]} == {"node-0", "node-1", "node-2"} - {victim}
+    assert set(worlds) == {2, 3}
+    last = launches[-1]["ranks"]
     assert {r["machine"] for r in last} == {"node-0", "node-1", "node-2", "node-3"} - {victim}
     assert all(r["exception"] is None for r in last)
 
