@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from lightning_dynamix._checks import require_int
 from lightning_dynamix.distributed import job_environment
 
 if TYPE_CHECKING:
@@ -96,13 +97,9 @@ class LocalElasticCluster:
         keep_alive_interval: int = 1,
         keep_alive_max_attempt: int = 10,
     ) -> None:
-        for name, value in (
-            ("keep_alive_interval", keep_alive_interval),
-            ("keep_alive_max_attempt", keep_alive_max_attempt),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1 (torch elastic reads it as one), got {value!r}")
-        self.keep_alive_interval, self.keep_alive_max_attempt = keep_alive_interval, keep_alive_max_attempt
+        # ints: torch elastic reads both as ints
+        self.keep_alive_interval = require_int("keep_alive_interval", keep_alive_interval, 1)
+        self.keep_alive_max_attempt = require_int("keep_alive_max_attempt", keep_alive_max_attempt, 1)
         self.command, self.out = [str(a) for a in command], Path(out)
         self.hosts = hosts
         self.host_of: dict[str, int] = {}

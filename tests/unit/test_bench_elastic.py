@@ -118,5 +118,5 @@ def test_bad_arguments_are_refused_before_any_job_starts(argv, message):
     ],
 )
 def test_the_local_cluster_refuses_a_keep_alive_torch_elastic_could_not_read(tmp_path, name, value):
-    with pytest.raises(ValueError, match=rf"{name} must be an int >= 1 .* got {value!r}"):
+    with pytest.raises(ValueError, match=rf"`{name}` must be an int >= 1, got {value!r}"):
         LocalElasticCluster(["job.py"], tmp_path, nnodes="2:3", **{name: value})

@@ -276,7 +276,8 @@ def replica_state(network, optimizer):
 
 
 def wait_to_join(join_file) -> None:
-    """A replica that joins later (ft_*_job.py) waits, its imports done, until ``join_file`` (if any) exists."""
+    """Wait until ``join_file`` (if any) exists: a replica that joins later (ft_*_job.py), its imports done, for
+    the test's word; a running replica told to hold (:func:`write_plan`), for the joining one's replica."""
     import time
 
     while join_file is not None and not join_file.exists():
@@ -349,5 +350,4 @@ def write_plan(log, plan, replica, committed: bool, **extra) -> None:
         step = killed.read_text() if killed.exists() else ""
         if step.isdigit() and int(step) in _committed:  # (a file being written reads empty)
             _held[0] = True
-            while not Path(os.environ["HOLD_FILE"]).exists():
-                time.sleep(0.01)
+            wait_to_join(Path(os.environ["HOLD_FILE"]))

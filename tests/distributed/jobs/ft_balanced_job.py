@@ -19,7 +19,6 @@ machine gone), it waits before its next step until HOLD_FILE exists.
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -109,7 +108,6 @@ while replica.step < STEPS:
         decided_on.setdefault(machines, plan.step)
         if hold_file is not None and machines == hold_after and fewer and not held:
             held = True
-            while not hold_file.exists():
-                time.sleep(0.01)
+            wait_to_join(hold_file)
 torch.save({k: v.clone() for k, v in network.state_dict().items()}, out / f"{replica_id}.pt")
 replica.close()
