@@ -175,7 +175,10 @@ def test_a_rank_a_forked_command_starts_is_forked_as_its_descendant_and_any_othe
 # a torch elastic worker: says where it runs, then waits to be killed
 _WORKER = """
 import json, os, sys, time
-print(json.dumps({"rank": os.environ["RANK"], "pid": os.getpid()}), flush=True)
+# one write with its newline: unbuffered (PYTHONUNBUFFERED), print writes the line's end apart, and the two workers'
+# lines could interleave in the agent's log
+sys.stdout.write(json.dumps({"rank": os.environ["RANK"], "pid": os.getpid()}) + "\\n")
+sys.stdout.flush()
 time.sleep(120)
 """
 
