@@ -24,6 +24,7 @@ from lightning_dynamix.distributed import SyncWindowWeighting, WeightedAllReduce
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, WorkerMetrics
 from lightning_dynamix.strategies import (
     HeterogeneousDDPStrategy,
+    HeterogeneousFSDPStrategy,
     HeterogeneousLayerOffloadStrategy,
     LayerOffloadStrategy,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "HeterogeneousBatchSampler",
     "HeterogeneousDDPStrategy",
     "HeterogeneousDataLoader",
+    "HeterogeneousFSDPStrategy",
     "HeterogeneousLayerOffloadStrategy",
     "LabelTokens",
     "LayerOffloadStrategy",

@@ -352,7 +352,9 @@ class PerRankBatchCore:
             self.loader.step_clock = clock
 
     # ------------------------------------------------------------------ gradient weights
-    def weight_backward(self, loss: Tensor, loss_scale: float, window_end: int | None, syncing: bool) -> None:
+    def weight_backward(
+        self, loss: Tensor, loss_scale: float, window_end: int | None, syncing: bool, reduce_scale: float = 1.0
+    ) -> None:
         """Before a training backward pass: weight ``loss``'s gradient by this rank's share of the window's samples.
 
         A scalar on the loss's gradient reaches every parameter's gradient at no extra cost. Where the pass
@@ -365,6 +367,9 @@ class PerRankBatchCore:
             window_end: the step after the last of the accumulation window this pass belongs to, as planned now;
                 ``None``: this step ends it.
             syncing: whether this pass all-reduces the gradients.
+            reduce_scale: what the engine's reduction divides the ranks' summed gradients by, made up here: 1 for
+                the weighted all-reduce hook, which sums; the world size for FSDP2's averaging reduce-scatter; 0 for
+                a rank that runs a placeholder at weight 0.
 
         Raises:
             RuntimeError: before the training DataLoader handed out a batch.
@@ -384,7 +389,7 @@ class PerRankBatchCore:
             if window_end is not None:  # the window's later steps: their samples at this step's items per sample
                 planned = loader.batch_sampler.planned_samples(step + 1, window_end)
                 estimate += round(planned * sum(counts) / max(sum(sizes), 1))
-        factor = weighting.add_backward(step, sizes, loss_scale, estimate, items)
+        factor = weighting.add_backward(step, sizes, loss_scale, estimate, items) * reduce_scale
         loss.register_hook(lambda grad: grad * factor)
         if syncing:
             self.hook_state.weight = weighting.sync_weight()

@@ -22,7 +22,7 @@ from lightning_dynamix._checks import require_number
 from lightning_dynamix.callbacks.measurement import _heterogeneous_strategy
 from lightning_dynamix.control.allocation import validate_batch_size_caps
 from lightning_dynamix.metrics import StepClock, StepRecord
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import PerRankBatchStrategy
 
 _RECENT_STEPS = 5  # compute-to-forward ratios the next sleep is based on (their median)
 
@@ -126,7 +126,7 @@ class HeterogeneityEmulator(Callback):
         self._forward = 0.0
         self._slept = 0.0
         self._backward_seen = False  # the last step ran backward with samples: its compute time is a measurement
-        self._strategy: HeterogeneousDDPStrategy | None = None
+        self._strategy: PerRankBatchStrategy | None = None
         self._spin: CudaSpin | None = None  # on a GPU: the slowdown is device time
         self._own: deque[tuple[int, float]] = deque(maxlen=4 * _RECENT_STEPS)  # (batch size, own device compute)
         self._last_read: StepRecord | None = None  # the clock's latest record already counted in _own

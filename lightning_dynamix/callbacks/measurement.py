@@ -21,23 +21,24 @@ from typing_extensions import override
 from lightning_dynamix.control.base import Decision
 from lightning_dynamix.decisions import IntervalMeter, IntervalRecord, interval_metrics
 from lightning_dynamix.metrics import ClusterState
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy, LayerOffloadStrategy
+from lightning_dynamix.strategies import LayerOffloadStrategy, PerRankBatchStrategy
 
 __all__ = ["ClusterMetricsMonitor", "IntervalRecord"]
 
 
-def _heterogeneous_strategy(trainer: Trainer, owner: str) -> HeterogeneousDDPStrategy:
+def _heterogeneous_strategy(trainer: Trainer, owner: str) -> PerRankBatchStrategy:
     strategy = trainer.strategy
-    if not isinstance(strategy, HeterogeneousDDPStrategy):
+    if not isinstance(strategy, PerRankBatchStrategy):
         instead = (
             "HeterogeneousLayerOffloadStrategy (strategy='heterogeneous_layer_offload'), which offloads the tables"
             " the same way"
             if isinstance(strategy, LayerOffloadStrategy)
-            else "Trainer(strategy='heterogeneous_ddp') (it also runs on a single device: devices=1)"
+            else "Trainer(strategy='heterogeneous_ddp') (it also runs on a single device: devices=1), or"
+            " strategy='heterogeneous_fsdp' for a model sharded with fully_shard"
         )
         raise MisconfigurationException(
-            f"{owner} measures and resizes per-rank batches through HeterogeneousDDPStrategy, but the Trainer"
-            f" uses {type(strategy).__name__}, which cannot. Use {instead}."
+            f"{owner} measures and resizes per-rank batches through HeterogeneousDDPStrategy or"
+            f" HeterogeneousFSDPStrategy, but the Trainer uses {type(strategy).__name__}, which cannot. Use {instead}."
         )
     return strategy
 
@@ -75,7 +76,7 @@ class ClusterMetricsMonitor(Callback):
         self.measure_noise_scale = bool(gradient_noise_scale)
         self.noise_scale = self.meter.noise_scale
         self.log_per_rank = bool(log_per_rank)
-        self._strategy: HeterogeneousDDPStrategy | None = None
+        self._strategy: PerRankBatchStrategy | None = None
 
     @property
     def history(self) -> list[IntervalRecord]:
@@ -103,7 +104,7 @@ class ClusterMetricsMonitor(Callback):
         if self._strategy is not None and self.noise_scale is not None:
             self._strategy.enable_gradient_norms(None)
 
-    def _strategy_or_fail(self) -> HeterogeneousDDPStrategy:
+    def _strategy_or_fail(self) -> PerRankBatchStrategy:
         if self._strategy is None:
             raise RuntimeError(f"{type(self).__name__} is used before Trainer.fit set it up")
         return self._strategy

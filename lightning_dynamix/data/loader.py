@@ -171,6 +171,20 @@ class HeterogeneousDataLoader(DataLoader):
         samples = dataset.__getitems__(indices) if hasattr(dataset, "__getitems__") else [dataset[i] for i in indices]
         return self.collate_fn(samples)
 
+    def placeholder_batch(self) -> Any:
+        """One sample of the step being trained, read in this process, for a rank that sits the step out but must
+        still run the model (FSDP's all-gathers and reduce-scatters): it trains it at weight 0.
+
+        Raises:
+            RuntimeError: before the first batch, or where this rank has samples at the step.
+        """
+        if not self.sits_out:
+            raise RuntimeError("a placeholder batch is for a rank that sits the step being trained out")
+        index = self.batch_sampler.placeholder_index(self._current_step)
+        dataset: Any = self.dataset
+        samples = dataset.__getitems__([index]) if hasattr(dataset, "__getitems__") else [dataset[index]]
+        return self.collate_fn(samples)
+
     def resplit_current(self) -> Any:
         """After :meth:`HeterogeneousBatchSampler.resplit` of the step being trained: its batch at the new sizes."""
         step = self._current_step

@@ -384,6 +384,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         """This rank's sample indices at ``step`` of the current epoch, under the schedule as it is now."""
         return self._indices(self.schedule, step)
 
+    def placeholder_index(self, step: int) -> int:
+        """The first sample index of ``step``'s global batch (whichever rank trains it), under the schedule as it is
+        now: what a rank without samples runs at weight 0 where it must still take part in the step's collectives."""
+        cursor, _ = self.schedule.step_at(step)
+        return self.sampler.indices(cursor, cursor + 1)[0]
+
     def _indices(self, schedule: EpochSchedule, step: int) -> list[int]:
         cursor, sizes = schedule.step_at(step)
         start = cursor + sum(sizes[: self.rank])

@@ -36,7 +36,7 @@ CollectiveTimer = WaitTimer
 """Told of every collective a layer makes (marks of its ``now()``), so that a step's timing counts the wait for
 the other ranks as waiting, not as this rank's compute: a :class:`~lightning_dynamix.metrics.StepClock`."""
 
-_current: list[tuple[ProcessGroup, CollectiveTimer | None]] = [(None, None)]
+_current: list[tuple[ProcessGroup, CollectiveTimer | None, bool]] = [(None, None, False)]
 
 
 def statistics_group() -> ProcessGroup:
@@ -45,11 +45,15 @@ def statistics_group() -> ProcessGroup:
 
 
 @contextlib.contextmanager
-def statistics_over(group: ProcessGroup, timer: CollectiveTimer | None = None) -> Iterator[None]:
+def statistics_over(
+    group: ProcessGroup, timer: CollectiveTimer | None = None, placeholder: bool = False
+) -> Iterator[None]:
     """Inside the block, :class:`GlobalBatchNorm` gathers statistics over ``group`` (the ranks that train this step)
-    and tells ``timer`` how long each of its collectives took (the backward pass's too)."""
+    and tells ``timer`` how long each of its collectives took (the backward pass's too). ``placeholder``: this rank's
+    input is a placeholder it trains at weight 0 (it sits the step out but must run the model, as under FSDP): it
+    takes part in every collective and adds nothing to the statistics."""
     previous = _current[0]
-    _current[0] = (group, timer)
+    _current[0] = (group, timer, placeholder)
     try:
         yield
     finally:
@@ -59,7 +63,7 @@ def statistics_over(group: ProcessGroup, timer: CollectiveTimer | None = None) -
 def set_statistics_group(group: ProcessGroup, timer: CollectiveTimer | None = None) -> None:
     """Gather :class:`GlobalBatchNorm` statistics over ``group`` from now on (``None``: the default group), timing
     its collectives with ``timer``."""
-    _current[0] = (group, timer)
+    _current[0] = (group, timer, False)
 
 
 def least_batch_size(module: Module, world_size: int | None = None) -> tuple[int, list[str]]:
@@ -147,12 +151,13 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         momentum: float,
         group: ProcessGroup,
         timer: CollectiveTimer | None,
+        placeholder: bool,
     ) -> Tensor:
         channels = x.shape[1]
         dims = [0, *range(2, x.dim())]
         stats_dtype = torch.promote_types(x.dtype, torch.float32)
         xs = x.to(stats_dtype)
-        count = x.numel() // channels
+        count = 0 if placeholder else x.numel() // channels
         if count > 0:
             mean = xs.mean(dim=dims)
             m2 = ((xs - _per_channel(mean, x.dim())) ** 2).sum(dim=dims)
@@ -191,6 +196,7 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
             out = out + _per_channel(bias.to(stats_dtype), x.dim())
         ctx.save_for_backward(x_hat, invstd, weight)
         ctx.group, ctx.timer, ctx.total, ctx.has_bias = group, timer, total, bias is not None
+        ctx.placeholder = placeholder
         return out.to(x.dtype)
 
     @staticmethod
@@ -206,6 +212,8 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             sums = torch.cat([sum_dy, sum_dy_xhat])
+            if ctx.placeholder:  # trained at weight 0: nothing of it reaches the others' gradients
+                sums.zero_()
             started = ctx.timer.now() if ctx.timer is not None else None
             dist.all_reduce(sums, group=ctx.group)
             if ctx.timer is not None:
@@ -213,11 +221,13 @@ class _GlobalBatchNormFunction(torch.autograd.Function):
             channels = invstd.numel()
             mean_dy, mean_dy_xhat = sums[:channels] / ctx.total, sums[channels:] / ctx.total
             scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+            if ctx.placeholder:  # its input is in no statistic: the others' outputs do not depend on it
+                mean_dy, mean_dy_xhat = torch.zeros_like(mean_dy), torch.zeros_like(mean_dy_xhat)
             grad_x = (
                 (dy - _per_channel(mean_dy, dy.dim()) - x_hat * _per_channel(mean_dy_xhat, dy.dim()))
                 * _per_channel(scale, dy.dim())
             ).to(grad_out.dtype)
-        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def _per_channel(values: Tensor, dim: int) -> Tensor:
@@ -246,7 +256,7 @@ class GlobalBatchNorm(_compat.BatchNormBase):  # type: ignore[misc, valid-type]
                 momentum = 1.0 / float(self.num_batches_tracked)
         batch_stats = self.training or (self.running_mean is None and self.running_var is None)
         track = not self.training or self.track_running_stats
-        group, timer = _current[0]
+        group, timer, placeholder = _current[0]
         if not (batch_stats and self.training and dist.is_available() and dist.is_initialized()) or (
             dist.get_world_size(group) == 1
         ):
@@ -270,6 +280,7 @@ class GlobalBatchNorm(_compat.BatchNormBase):  # type: ignore[misc, valid-type]
             momentum,
             group,
             timer,
+            placeholder,
         )
 
 
