@@ -60,10 +60,10 @@ def statistics_over(
         _current[0] = previous
 
 
-def set_statistics_group(group: ProcessGroup, timer: CollectiveTimer | None = None) -> None:
+def set_statistics_group(group: ProcessGroup, timer: CollectiveTimer | None = None, placeholder: bool = False) -> None:
     """Gather :class:`GlobalBatchNorm` statistics over ``group`` from now on (``None``: the default group), timing
-    its collectives with ``timer``."""
-    _current[0] = (group, timer, False)
+    its collectives with ``timer``; ``placeholder``: as for :func:`statistics_over`."""
+    _current[0] = (group, timer, placeholder)
 
 
 def least_batch_size(module: Module, world_size: int | None = None) -> tuple[int, list[str]]:

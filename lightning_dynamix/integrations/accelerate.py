@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from lightning_dynamix import _compat
 from lightning_dynamix._checks import require_bool, require_int
 from lightning_dynamix._forwarding import Forwarded
 from lightning_dynamix.batch_core import PerRankBatchCore
@@ -45,11 +46,13 @@ from lightning_dynamix.distributed import (
     zero_gradient_loss,
 )
 from lightning_dynamix.distributed.batch_norm import (
+    GlobalBatchNorm,
     broadcast_batch_norm_statistics,
     convert_batch_norm,
     has_global_batch_norm,
     set_statistics_group,
 )
+from lightning_dynamix.distributed.sharded import check_fully_sharded, is_sharded, scale_gradients, set_gradient_sync
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, gather_machine_ids
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
@@ -75,6 +78,9 @@ class PreparedTrainLoader(DataLoaderStateMixin):
         self._epoch_set = False
         self.on_batch: Callable[[], None] | None = None
         """Called on every rank as each batch is handed out, before the forward pass (the sizes are known)."""
+        self.placeholders = False
+        """At a step this rank sits out, hand out one sample of the step (trained at weight 0) instead of an
+        ``EmptyBatch``: a sharded model's collectives need every rank in its forward and backward."""
 
     @property
     def batch_sampler(self) -> HeterogeneousBatchSampler:
@@ -111,6 +117,8 @@ class PreparedTrainLoader(DataLoaderStateMixin):
                 self.end_of_dataloader = self.loader.current_step + 1 >= len(self.batch_sampler)
                 if self.on_batch is not None:
                     self.on_batch()
+                if self.placeholders and self.loader.sits_out:
+                    batch = self.loader.placeholder_batch()
                 yield send_to_device(batch, self.device, non_blocking=self.loader.pin_memory)
         finally:
             self.end()
@@ -252,7 +260,9 @@ class DynamixAccelerate:
         """The per-rank batch core: sizes, bounds, caps, the training DataLoader and the gradient weights."""
         self.sync_batchnorm = require_bool("sync_batchnorm", sync_batchnorm)
         self._global_batch_norm = False
-        self.model: DistributedDataParallel | None = None
+        self.model: DistributedDataParallel | torch.nn.Module | None = None
+        self.sharded = False
+        """Whether the model is sharded with FSDP2 (``fully_shard``) rather than wrapped in DDP."""
         self.train_loader: PreparedTrainLoader | None = None
         self.optimizers: list[Any] = []
         self.global_step = 0
@@ -326,13 +336,16 @@ class DynamixAccelerate:
         """``accelerator.prepare(*objects)``, except that the first DataLoader becomes the per-rank training loader.
 
         Other DataLoaders (validation) are prepared by Accelerate as usual. The model is wrapped by
-        Accelerate (DDP) and gets the weighted all-reduce hook. Returns the objects in the same
-        order, a single object unwrapped, like ``accelerator.prepare``.
+        Accelerate (DDP) and gets the weighted all-reduce hook; a model sharded with FSDP2 (``fully_shard``
+        applied to it, over every process) is kept as it is, and its processes that sit a step out run one
+        sample of the step at weight 0. Returns the objects in the same order, a single object unwrapped, like
+        ``accelerator.prepare``.
 
         Raises:
             ValueError: for a model already wrapped in DDP (prepare it here instead), a second
-                model, an iterable-style or custom-sampler training DataLoader, or a dataset smaller
-                than one global batch.
+                model, a sharded model with parameters no ``fully_shard`` holds or with BatchNorm layers
+                ``sync_batchnorm`` would have to swap, an iterable-style or custom-sampler training DataLoader, or a
+                dataset smaller than one global batch.
         """
         train_index = next((i for i, o in enumerate(objects) if isinstance(o, DataLoader)), None)
         for obj in objects:
@@ -343,23 +356,27 @@ class DynamixAccelerate:
                     " instead of accelerator.prepare(model) first."
                 )
         objects = tuple(self._fit_batch_dependent_layers(o) for o in objects)
+        kept = {i: o for i, o in enumerate(objects) if is_sharded(o)}  # Accelerate would wrap it in DDP on a CPU
         loader = self._train_loader(objects[train_index]) if train_index is not None else None
-        rest = [o for i, o in enumerate(objects) if i != train_index]
+        rest = [o for i, o in enumerate(objects) if i != train_index and i not in kept]
         prepared: list[Any] = []
         if rest:  # accelerator.prepare returns one object unwrapped
             out = self.accelerator.prepare(*rest)
             prepared = list(out) if len(rest) > 1 else [out]
+        for index in sorted(kept):
+            prepared.insert(index - (train_index is not None and train_index < index), kept[index])
         for obj in prepared:
-            if isinstance(obj, DistributedDataParallel):
+            if isinstance(obj, DistributedDataParallel) or is_sharded(obj):
                 if self.model is not None:
                     raise ValueError("DynamixAccelerate.prepare got a second model; it weights one model's gradients")
-                obj.register_comm_hook(state=self.hook_state, hook=weighted_allreduce_hook)
-                self.model = obj
+                self._take_model(obj)
             elif hasattr(obj, "param_groups"):
                 self.optimizers.append(obj)
         if self.preemption is not None:
             self.preemption.install()
         if train_index is not None:
+            assert loader is not None
+            loader.placeholders = self.sharded
             prepared.insert(train_index, loader)
             if self.maker is not None:  # which machine every process is (a collective, like prepare itself)
                 self._machine_ids = gather_machine_ids(self.accelerator.local_process_index)
@@ -368,22 +385,45 @@ class DynamixAccelerate:
             self.accelerator.register_for_checkpointing(self)
         return prepared[0] if len(prepared) == 1 else tuple(prepared)
 
+    def _take_model(self, model: torch.nn.Module) -> None:
+        """The model whose gradients are weighted: DDP gets the weighted all-reduce hook; a sharded one is checked."""
+        if isinstance(model, DistributedDataParallel):
+            model.register_comm_hook(state=self.hook_state, hook=weighted_allreduce_hook)
+        else:
+            check_fully_sharded(model, "DynamixAccelerate.prepare")
+            self.sharded = True
+        self.model = model
+
     def _fit_batch_dependent_layers(self, obj: Any) -> Any:
         """A model: its BatchNorm made global with ``sync_batchnorm``, and the least size raised to what it needs."""
         if not isinstance(obj, torch.nn.Module) or isinstance(obj, DistributedDataParallel):
             return obj
-        if self.sync_batchnorm:
+        if is_sharded(obj):
+            plain = [
+                m for m in obj.modules() if isinstance(m, _compat.BatchNormBase) and not isinstance(m, GlobalBatchNorm)
+            ]
+            if self.sync_batchnorm and plain:
+                raise ValueError(
+                    "DynamixAccelerate(sync_batchnorm=True) got a model sharded with fully_shard whose BatchNorm"
+                    " layers it would have to swap, which FSDP holds: convert them before fully_shard"
+                    " (lightning_dynamix.distributed.batch_norm.convert_batch_norm)."
+                )
+            self._global_batch_norm = has_global_batch_norm(obj)  # converted before fully_shard, by you
+        elif self.sync_batchnorm:
             obj = convert_batch_norm(obj)
             self._global_batch_norm = has_global_batch_norm(obj)
         self.batch_core.fit_model(obj, self.accelerator.num_processes)
         return obj
 
     def _on_batch(self) -> None:
-        """Before a step's forward pass: GlobalBatchNorm gathers over the processes that train it, timed as waiting."""
+        """Before a step's forward pass: GlobalBatchNorm gathers over the processes that train it, timed as waiting
+        (a sharded model's: over every process, a placeholder counted nowhere)."""
         assert self.train_loader is not None
-        sizes = self.train_loader.loader.current_batch_sizes
-        group = training_ranks_groups().prepare(sizes)
         clock = self.meter.clock if self.meter is not None else None
+        if self.sharded:
+            set_statistics_group(None, clock, placeholder=self.train_loader.loader.sits_out)
+            return
+        group = training_ranks_groups().prepare(self.train_loader.loader.current_batch_sizes)
         set_statistics_group(group, clock)
 
     def _train_loader(self, dataloader: DataLoader) -> PreparedTrainLoader:
@@ -431,8 +471,15 @@ class DynamixAccelerate:
         """The loss of a rank that sits the step out: 0, through the DDP wrapper, for :meth:`backward`.
 
         Its backward gives every trainable parameter a zero gradient, so the rank joins the
-        all-reduce (with weight 0) without a forward or backward pass of the model.
+        all-reduce (with weight 0) without a forward or backward pass of the model. Not for a sharded model: its
+        loader hands a process that sits out a placeholder to run the model on, as any batch.
         """
+        if self.sharded:
+            raise RuntimeError(
+                "DynamixAccelerate.zero_loss is for a DDP model: under FSDP2 every process must run the model's"
+                " forward and backward (its all-gathers and reduce-scatters), so a process that sits a step out is"
+                " handed one sample of the step, trained at weight 0: compute its loss as on any batch."
+            )
         if not isinstance(self.model, DistributedDataParallel):
             raise RuntimeError("DynamixAccelerate.zero_loss needs the model from prepare()")
         return zero_gradient_loss(self.model)
@@ -447,19 +494,28 @@ class DynamixAccelerate:
         """
         if self.train_loader is None or self.model is None:
             raise RuntimeError("DynamixAccelerate.backward needs the model and the training DataLoader from prepare()")
+        if self.sharded:
+            syncing = self.accelerator.sync_gradients  # accumulate() says whether this batch ends the window
+            set_gradient_sync(self.model, syncing)  # else FSDP keeps the unsharded gradients
+            # FSDP2's reduce-scatter averages over the processes where DDP's hook sums; a placeholder weighs 0
+            reduce_scale = 0.0 if self.sits_out else float(self.accelerator.num_processes)
+        else:
+            syncing = self.model.require_backward_grad_sync  # False inside accumulate()/no_sync() between syncs
+            reduce_scale = 1.0
         # accelerator.backward divides the loss by the accumulation steps; the weights undo that
-        syncing = self.model.require_backward_grad_sync  # False inside accumulate()/no_sync() between syncs
         self.batch_core.weight_backward(
-            loss, 1.0 / self.accelerator.gradient_accumulation_steps, self._window_end(), syncing
+            loss, 1.0 / self.accelerator.gradient_accumulation_steps, self._window_end(), syncing, reduce_scale
         )
         self.accelerator.backward(loss, **kwargs)
         sizes = self.train_loader.loader.current_batch_sizes
-        if self._global_batch_norm and min(sizes) == 0:  # a process without samples missed the statistics' update
+        if self._global_batch_norm and min(sizes) == 0 and not self.sharded:  # it missed the statistics' update
             broadcast_batch_norm_statistics(self.model, src=next(r for r, b in enumerate(sizes) if b > 0))
         if self.meter is not None:
             assert self.meter.clock is not None
             self.meter.clock.backward_end()
         if syncing:
+            if self.sharded:  # the window's correction on the shards, where sizes changed inside it (else 1)
+                scale_gradients(self.model, self.hook_state.weight)
             self.batch_core.end_window()
 
     def _window_end(self) -> int | None:

@@ -16,15 +16,12 @@ from collections.abc import Generator, Sequence
 from datetime import timedelta
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -33,6 +30,7 @@ from lightning_dynamix.batch_core import GradientNormSink, PerRankBatchCore
 from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.distributed import LossReduction
 from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
+from lightning_dynamix.distributed.sharded import check_fully_sharded, scale_gradients, set_gradient_sync
 from lightning_dynamix.strategies.per_rank import PerRankBatchStrategy
 
 STRATEGY_NAME = "heterogeneous_fsdp"
@@ -133,7 +131,8 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._check_sharded()
+        assert self.model is not None
+        check_fully_sharded(self.model, "HeterogeneousFSDPStrategy: after configure_model", MisconfigurationException)
         module = self.lightning_module
         assert module is not None
         try:
@@ -141,19 +140,6 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         except ValueError as error:
             raise MisconfigurationException(str(error)) from None
         self.batch_core.check_world_size(self.world_size)
-
-    def _check_sharded(self) -> None:
-        """Refuse a model whose trained parameters ``fully_shard`` does not hold: no rank would synchronise them."""
-        assert self.model is not None
-        loose = [name for name, p in self.model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
-        if loose:
-            shown = ", ".join(loose[:5]) + (f" and {len(loose) - 5} more" if len(loose) > 5 else "")
-            raise MisconfigurationException(
-                f"HeterogeneousFSDPStrategy: configure_model left {len(loose)} trained parameter(s) unsharded"
-                f" ({shown}); their gradients would never be synchronised. Apply fully_shard(module,"
-                " mesh=self.device_mesh['data_parallel']) to the model's root too (it takes every parameter its"
-                " sharded submodules do not hold)."
-            )
 
     @override
     def on_train_start(self) -> None:
@@ -192,16 +178,14 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Inside the block FSDP2 keeps the unsharded gradients (no reduce-scatter): Lightning accumulates."""
-        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model is not None else []
-        for fsdp_module in modules:
-            fsdp_module.set_requires_gradient_sync(False, recurse=False)
+        assert self.model is not None
+        set_gradient_sync(self.model, False)
         self._gradient_sync_blocked = True
         try:
             yield
         finally:
             self._gradient_sync_blocked = False
-            for fsdp_module in modules:
-                fsdp_module.set_requires_gradient_sync(True, recurse=False)
+            set_gradient_sync(self.model, True)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -222,7 +206,8 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         if self._step_clock is not None:
             self._step_clock.backward_end()
         if syncing:
-            self._correct_window()
+            assert self.model is not None  # the window's correction, where sizes changed inside it (else 1)
+            scale_gradients(self.model, self.batch_core.hook_state.weight)
             self.batch_core.end_window()
         return output
 
@@ -234,16 +219,6 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
             return None
         step = loader.current_step
         return min(step - step % accumulate + accumulate, module.trainer.num_training_batches)
-
-    def _correct_window(self) -> None:
-        """Multiply the sharded gradients by the window's correction, where sizes changed inside it (else 1)."""
-        weight = self.batch_core.hook_state.weight
-        if weight == 1.0 or self.model is None:
-            return
-        with torch.no_grad():
-            for parameter in self.model.parameters():
-                if parameter.grad is not None:
-                    parameter.grad.mul_(weight)
 
     @override
     def enable_gradient_norms(self, sink: GradientNormSink | None) -> None:

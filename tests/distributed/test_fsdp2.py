@@ -1,10 +1,11 @@
-"""HeterogeneousFSDPStrategy in real multi-process Trainer.fit runs: FSDP2 with uneven, changing sizes trains exactly
-like one process on the global batches.
+"""FSDP2 with uneven, changing per-rank sizes trains exactly like one process on the global batches: under Lightning
+(HeterogeneousFSDPStrategy, real Trainer.fit runs) and under Accelerate (DynamixAccelerate with a model sharded by
+fully_shard).
 
 Two and three gloo ranks, float64, sizes that change mid-epoch and inside accumulation windows and give a rank 0
 samples (it runs one sample of the step at weight 0, so that FSDP's collectives meet): an MLP with SGD and with Adam
 and accumulation, a model with GlobalBatchNorm (a rank may train a single sample), a transformer block
-(jobs/fsdp2_lightning_job.py).
+(jobs/fsdp2_lightning_job.py, jobs/fsdp2_accelerate_job.py).
 """
 
 from __future__ import annotations
@@ -29,16 +30,27 @@ def job_module():
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory, pools):
-    """The 2-rank and the 3-rank job, run at once on the session's pools of ranks; each one's output folder."""
-    outs = {world_size: tmp_path_factory.mktemp(f"fsdp2-{world_size}") for world_size in (2, 3)}
-    run_scripts(*[(pools(world), "fsdp2_lightning_job.py", (world, out), out) for world, out in outs.items()])
+def jobs(tmp_path_factory, pools, job_module):
+    """Under Lightning (one job runs every scenario) and Accelerate (one job a scenario), on 2 and 3 ranks, the
+    two world sizes at once on the session's pools of ranks: each one's output folder."""
+    outs = {}
+    for world in (2, 3):
+        outs["lightning", world] = tmp_path_factory.mktemp(f"fsdp2-lightning-{world}")
+        outs["accelerate", world] = tmp_path_factory.mktemp(f"fsdp2-accelerate-{world}")
+    lightning, accelerate = "fsdp2_lightning_job.py", "fsdp2_accelerate_job.py"
+    run_scripts(*[(pools(w), lightning, (w, outs["lightning", w]), outs["lightning", w]) for w in (2, 3)])
+    for name in job_module.SCENARIOS:
+        run_scripts(*[(pools(w), accelerate, (outs["accelerate", w], name), outs["accelerate", w]) for w in (2, 3)])
     return outs
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2-ranks", "3-ranks"])
+@pytest.fixture(
+    scope="module",
+    params=[("lightning", 2), ("lightning", 3), ("accelerate", 2), ("accelerate", 3)],
+    ids=["lightning-2-ranks", "lightning-3-ranks", "accelerate-2-ranks", "accelerate-3-ranks"],
+)
 def job(request, jobs, job_module):
-    world_size, out = request.param, jobs[request.param]
+    out, world_size = jobs[request.param], request.param[1]
     names = job_module.SCENARIOS
     return {name: [torch.load(out / f"{name}-rank{r}.pt") for r in range(world_size)] for name in names}
 
@@ -101,3 +113,12 @@ def test_a_loss_logged_with_sync_dist_is_the_global_batch_s_mean_whoever_sat_out
             for k, probe in enumerate(rank["probes"]):
                 if probe is not None:  # None: the rank sat the step out (it logged the same mean, unrecorded)
                     assert math.isclose(probe, expected[k], rel_tol=0, abs_tol=1e-9), f"{name}: step {k}"
+
+
+def test_accelerate_refuses_a_model_it_cannot_weight_and_a_loss_without_the_model(tmp_path, pools):
+    pools(2).run_script("fsdp2_accelerate_job.py", tmp_path, "errors", cwd=tmp_path)
+    for rank in range(2):
+        messages = torch.load(tmp_path / f"errors-rank{rank}.pt")
+        assert "has 2 trained parameter(s) no fully_shard holds (2.weight, 2.bias)" in messages["loose"]
+        assert "convert them before fully_shard" in messages["plain"]
+        assert "a process that sits a step out is handed one sample of the step" in messages["zero_loss"]

@@ -89,7 +89,9 @@ def test_bad_arguments_are_refused_at_construction_as_the_ddp_strategy_refuses_t
 
 
 def test_a_model_with_parameters_fully_shard_does_not_hold_is_refused_naming_them():
-    with pytest.raises(MisconfigurationException, match=r"left 2 trained parameter\(s\) unsharded \(net.2.weight"):
+    with pytest.raises(
+        MisconfigurationException, match=r"has 2 trained parameter\(s\) no fully_shard holds \(net.2.weight"
+    ):
         fit(ShardedModel(shard="first"), HeterogeneousFSDPStrategy(), max_epochs=1)
 
 

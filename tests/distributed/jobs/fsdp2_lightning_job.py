@@ -53,18 +53,23 @@ def network(name: str, seed: int = 0) -> nn.Module:
     return TokenClassifier().double()
 
 
+def shard(net: nn.Module, mesh) -> nn.Module:
+    """``net`` with BatchNorm over the global batch, ``fully_shard`` on each linear layer or block and on the root."""
+    net = convert_batch_norm(net)  # a no-op without BatchNorm
+    for layer in net.children():
+        if isinstance(layer, nn.Linear | nn.TransformerEncoderLayer):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
 class ShardedNet(Net):
     def __init__(self, architecture: str, optimizer: str) -> None:
         super().__init__(optimizer=optimizer)
         self.net = network(architecture)
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        self.net = convert_batch_norm(self.net)  # a no-op without BatchNorm: statistics of the global batch
-        for layer in self.net.children():
-            if isinstance(layer, nn.Linear | nn.TransformerEncoderLayer):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        self.net = shard(self.net, self.device_mesh["data_parallel"])
 
     def training_step(self, batch, batch_idx):
         _, x, y = batch
