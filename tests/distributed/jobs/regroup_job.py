@@ -19,6 +19,7 @@ from common import REGROUP_PLAN as PLAN
 from common import Net, Recorder, VirtualCompute, quiet_trainer, uneven
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
+from regroup_job_parts import ControllerProbe
 
 from lightning_dynamix import HeterogeneousDDPStrategy
 from lightning_dynamix.callbacks import DynamixCallback
@@ -27,23 +28,6 @@ world, out = int(sys.argv[1]), Path(sys.argv[2])
 resume_from = int(sys.argv[3]) if len(sys.argv) > 3 else None
 CONFIGS = {"sgd-workers0": ("sgd", 0), "adam-workers2": ("adam", 2)}
 MID_STEP = 5
-
-
-class ControllerProbe(Callback):
-    """Records, as training starts (after a resume), what DynamixCallback carried over to this group."""
-
-    def __init__(self, dynamix: DynamixCallback) -> None:
-        self.dynamix = dynamix
-        self.seen: dict = {}
-
-    def on_train_start(self, trainer, pl_module):
-        maker = self.dynamix.maker
-        self.seen = {
-            "machine_ids": maker.machine_ids,
-            "regrouped_from": maker.regrouped_from,
-            "speeds": maker.controller.rank_speeds(),
-            "batch_sizes": list(trainer.strategy.batch_sizes),
-        }
 
 
 def fit_controlled(name, ckpt_path=None, **trainer_kwargs):
