@@ -4,15 +4,29 @@ Under FSDP2 each rank holds a shard of every parameter (a ``DTensor``); a module
 parameters and its backward reduce-scatters their gradients, averaged over the ranks. The per-rank batch core
 weights each rank's loss by ``W * n_r / N`` for that average, keeps the unsharded gradients through an accumulation
 window (:func:`set_gradient_sync`) and corrects a window whose samples were guessed wrong on the shards
-(:func:`scale_gradients`). See docs/sharded.md.
+(:func:`scale_gradients`); under Accelerate, its state is saved and loaded with torch distributed checkpoint
+(:func:`save_shards`, :func:`load_shards`). See docs/sharded.md.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
+from torch.optim import Optimizer
 
 
 def fsdp_modules(module: Module) -> list[FSDPModule]:
@@ -61,3 +75,43 @@ def scale_gradients(module: Module, factor: float) -> None:
         for parameter in module.parameters():
             if parameter.grad is not None:
                 parameter.grad.mul_(factor)
+
+
+SHARDS_FOLDER = "dynamix_shards"
+"""Where :func:`save_shards` writes a sharded model's and its optimizers' state inside a checkpoint's folder."""
+
+
+def save_shards(directory: str | os.PathLike, model: Module, optimizers: Sequence[Optimizer]) -> Path:
+    """Write ``model``'s and ``optimizers``' sharded state with torch distributed checkpoint: each rank its shards.
+
+    A collective: call it on every rank. Returns the folder written (``directory/dynamix_shards``); it loads on any
+    number of ranks (:func:`load_shards`).
+    """
+    folder = Path(directory) / SHARDS_FOLDER
+    dcp.save(_sharded_state(model, optimizers), checkpoint_id=folder)
+    return folder
+
+
+def load_shards(directory: str | os.PathLike, model: Module, optimizers: Sequence[Optimizer]) -> None:
+    """Load what :func:`save_shards` wrote into ``model`` and ``optimizers``, resharded over this job's ranks.
+
+    A collective: call it on every rank.
+
+    Raises:
+        FileNotFoundError: naming the folder, where ``directory`` holds no shards.
+    """
+    folder = Path(directory) / SHARDS_FOLDER
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no sharded model state in {folder}: was it saved from a sharded model?")
+    state = _sharded_state(model, optimizers)
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(model, state["model"])
+    for index, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[f"optimizer_{index}"])
+
+
+def _sharded_state(model: Module, optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    for index, optimizer in enumerate(optimizers):
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(model, optimizer)
+    return state

@@ -52,7 +52,14 @@ from lightning_dynamix.distributed.batch_norm import (
     has_global_batch_norm,
     set_statistics_group,
 )
-from lightning_dynamix.distributed.sharded import check_fully_sharded, is_sharded, scale_gradients, set_gradient_sync
+from lightning_dynamix.distributed.sharded import (
+    check_fully_sharded,
+    is_sharded,
+    load_shards,
+    save_shards,
+    scale_gradients,
+    set_gradient_sync,
+)
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, gather_machine_ids
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.clocks import TimeSource, time_source_for
@@ -263,6 +270,7 @@ class DynamixAccelerate:
         self.model: DistributedDataParallel | torch.nn.Module | None = None
         self.sharded = False
         """Whether the model is sharded with FSDP2 (``fully_shard``) rather than wrapped in DDP."""
+        self._shards_to_load: str | None = None
         self.train_loader: PreparedTrainLoader | None = None
         self.optimizers: list[Any] = []
         self.global_step = 0
@@ -358,6 +366,8 @@ class DynamixAccelerate:
         objects = tuple(self._fit_batch_dependent_layers(o) for o in objects)
         kept = {i: o for i, o in enumerate(objects) if is_sharded(o)}  # Accelerate would wrap it in DDP on a CPU
         loader = self._train_loader(objects[train_index]) if train_index is not None else None
+        if kept:  # its optimizers too: their state is sharded, and saved as the model's is (save_shards)
+            kept.update({i: _accelerated(o) for i, o in enumerate(objects) if hasattr(o, "param_groups")})
         rest = [o for i, o in enumerate(objects) if i != train_index and i not in kept]
         prepared: list[Any] = []
         if rest:  # accelerator.prepare returns one object unwrapped
@@ -392,6 +402,10 @@ class DynamixAccelerate:
         else:
             check_fully_sharded(model, "DynamixAccelerate.prepare")
             self.sharded = True
+            # Accelerate saves what it prepared; a sharded model and its optimizers go through torch distributed
+            # checkpoint, each process its shards, and load on any number of processes
+            self.accelerator.register_save_state_pre_hook(self._save_shards)
+            self.accelerator.register_load_state_pre_hook(self._note_shards)
         self.model = model
 
     def _fit_batch_dependent_layers(self, obj: Any) -> Any:
@@ -627,6 +641,15 @@ class DynamixAccelerate:
         return step
 
     # ------------------------------------------------------------------ checkpointing
+    def _save_shards(self, models: list[Any], weights: list[Any], output_dir: str) -> None:
+        """``accelerator.save_state``'s hook, on every process: the sharded model's and optimizers' shards."""
+        assert self.model is not None
+        save_shards(output_dir, self.model, [o.optimizer for o in self.optimizers])
+
+    def _note_shards(self, models: list[Any], input_dir: str) -> None:
+        """``accelerator.load_state``'s hook: the shards are loaded with this object's state (after Accelerate's)."""
+        self._shards_to_load = input_dir
+
     def state_dict(self) -> dict[str, Any]:
         """Sizes and position in the data, optimizer steps, measurements and controller state."""
         return {
@@ -637,7 +660,12 @@ class DynamixAccelerate:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict` (``accelerator.load_state`` calls it)."""
+        """Continue from :meth:`state_dict` (``accelerator.load_state`` calls it; with a sharded model it loads the
+        model's and optimizers' shards saved beside it first)."""
+        if self._shards_to_load is not None:
+            assert self.model is not None
+            load_shards(self._shards_to_load, self.model, [o.optimizer for o in self.optimizers])
+            self._shards_to_load = None
         self.global_step = int(state_dict["global_step"])
         # the controller first: on another group of machines, its knowledge of them splits the global batch
         if state_dict.get("maker") is not None and self.maker is not None:
@@ -648,6 +676,16 @@ class DynamixAccelerate:
             self.train_loader.load_state_dict(state_dict["loader"])
         if state_dict.get("meter") is not None and self.meter is not None:
             self.meter.load_state_dict(state_dict["meter"])
+
+
+def _accelerated(optimizer: Any) -> Any:
+    """``optimizer`` as ``accelerator.prepare`` wraps it (its steps skipped inside an accumulation window), but
+    unknown to the Accelerator, whose ``save_state`` would write one process's shards of its state for all."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    if isinstance(optimizer, AcceleratedOptimizer):
+        return optimizer
+    return AcceleratedOptimizer(optimizer, device_placement=False)
 
 
 def _check_accelerator(accelerator: Any) -> None:

@@ -1,5 +1,6 @@
-"""HeterogeneousFSDPStrategy jobs saved with torch distributed checkpoint on 2 ranks and resumed on 3 train as if never
-interrupted, and the controller keeps what it learnt about the machines that stay (jobs/fsdp2_regroup_job.py).
+"""FSDP2 jobs saved with torch distributed checkpoint on 2 ranks and resumed on 3 train as if never interrupted: under
+Lightning (HeterogeneousFSDPStrategy, whose controller keeps what it learnt about the machines that stay:
+jobs/fsdp2_regroup_job.py) and under Accelerate (``save_state``/``load_state``: jobs/fsdp2_accelerate_regroup_job.py).
 
 The checkpoint is a folder of shards (each rank writes its own); the 3 ranks read them resharded, with Adam's state,
 and the position in the data and the sizes decided, split over the new ranks.
@@ -43,3 +44,10 @@ def test_the_controller_keeps_what_it_learnt_about_the_machines_that_stay(out):
     assert sum(sizes) == 8
     assert sizes[0] == min(sizes)
     assert sizes[0] < max(sizes) - 1
+
+
+def test_accelerate_s_state_of_2_processes_loaded_by_3_trains_the_same_global_batches_and_ends_equal(tmp_path, pools):
+    for world, run in [(2, "full"), (2, "mid"), (3, "resume")]:
+        pools(world).run_script("fsdp2_accelerate_regroup_job.py", tmp_path, run, cwd=tmp_path)
+    assert (tmp_path / "mid-state" / "dynamix_shards").is_dir()  # each process's shards
+    assert_resumed_like_uninterrupted(load(tmp_path, "full", 2), load(tmp_path, "mid", 2), load(tmp_path, "resume", 3))
