@@ -43,3 +43,18 @@ def test_sharded_training_with_uneven_sizes_equals_one_process_on_the_global_bat
     for result in results:
         worst = max((got - want).abs().max().item() for got, want in zip(result, expected))
         assert worst <= 1e-12, f"max abs difference {worst}"
+
+
+def test_bf16_mixed_precision_keeps_the_weights_within_bf16_s_rounding_of_one_process(pools):
+    """Under MixedPrecisionPolicy (bf16 compute, float32 reduce-scatter) the weighted job stays within bf16's rounding
+    of one float32 process on the global batches, where plain FSDP2's unweighted mean of the ranks' means is off."""
+    plan = PLANS[2]
+    weighted = pools(2).run("fsdp2_checks", "train_mixed", plan=plan, weighted=True)[0]
+    unweighted = pools(2).run("fsdp2_checks", "train_mixed", plan=plan, weighted=False)[0]
+    expected = [p.float() for p in one_process(plan, 1)]
+
+    def distance(params):
+        return max(((got - want).abs().max() / want.abs().max()).item() for got, want in zip(params, expected))
+
+    assert distance(weighted) <= 2e-2  # bf16 keeps 8 bits of mantissa: 0.4% a rounding, over 8 steps
+    assert distance(unweighted) >= 5 * distance(weighted)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_dynamix.distributed import SyncWindowWeighting
 
@@ -74,3 +74,31 @@ def train(plan: list[list[int]], accumulate: int, estimate: str) -> list[torch.T
         optimizer.step()
         optimizer.zero_grad()
     return [parameter.full_tensor().detach() for parameter in model.parameters()]
+
+
+def train_mixed(plan: list[list[int]], weighted: bool) -> list[torch.Tensor]:
+    """The full parameters after training ``plan`` in float32 under ``MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32)``, each rank's loss weighted by the batch core (``weighted``) or not (plain FSDP2's mean
+    of the ranks' means), a rank without samples on a placeholder at weight 0 either way."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = (t.float() for t in data())
+    model = network().float()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    weighting = SyncWindowWeighting(rank)
+    for step, indices_per_rank in enumerate(steps(plan)):
+        sizes = [len(indices) for indices in indices_per_rank]
+        training = sum(1 for b in sizes if b > 0)
+        factor = weighting.add_backward(step, sizes) * world if weighted else world / training * (sizes[rank] > 0)
+        indices = indices_per_rank[rank] or [i for each in indices_per_rank for i in each][:1]
+        loss = F.mse_loss(model(x[indices]).float(), y[indices])
+        (loss * factor).backward()
+        weighting.reset()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [parameter.full_tensor().detach().float() for parameter in model.parameters()]
