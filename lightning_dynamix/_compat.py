@@ -137,6 +137,24 @@ def logged_results(trainer: Any) -> Any:
     return _attribute(trainer, "_results", "lightning", "reduce epoch-level metrics of ranks that sat out")
 
 
+def fsdp_param_groups(module: Any) -> list[Any]:
+    """The parameter groups of an FSDP2 module (one per mesh), whose collectives it runs."""
+    state = _attribute(module, "_get_fsdp_state", "torch", "time FSDP's collectives")()
+    return list(_attribute(state, "_fsdp_param_groups", "torch", "time FSDP's collectives"))
+
+
+def fsdp_comms(group: Any) -> tuple[Any, Any]:
+    """An FSDP2 parameter group's all-gather and reduce-scatter (what ``set_custom_all_gather`` replaces)."""
+    why = "time FSDP's collectives"
+    return _attribute(group, "_all_gather_comm", "torch", why), _attribute(group, "_reduce_scatter_comm", "torch", why)
+
+
+def set_fsdp_comms(group: Any, all_gather: Any, reduce_scatter: Any) -> None:
+    """Give an FSDP2 parameter group these comms (``set_custom_all_gather``'s, for one group of a module)."""
+    fsdp_comms(group)  # both exist
+    group._all_gather_comm, group._reduce_scatter_comm = all_gather, reduce_scatter
+
+
 def result_metric_types() -> tuple[type, type, type]:
     """Lightning's ``_Metadata``, ``_ResultMetric`` and ``_Sync``: what a logged value is made of."""
     try:

@@ -16,7 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -27,6 +29,9 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 from torch.optim import Optimizer
+
+from lightning_dynamix import _compat
+from lightning_dynamix.metrics.clocks import WaitTimer
 
 
 def fsdp_modules(module: Module) -> list[FSDPModule]:
@@ -115,3 +120,79 @@ def _sharded_state(model: Module, optimizers: Sequence[Optimizer]) -> dict[str, 
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(model, optimizer)
     return state
+
+
+def shard_blocks(module: Module, mesh: Any, block_types: tuple[type[Module], ...], **options: Any) -> Module:
+    """``fully_shard`` on every outermost module of ``block_types`` in ``module``, then on ``module`` itself (it takes
+    the parameters left over): one all-gather and one reduce-scatter per block. ``options`` go to every
+    ``fully_shard`` (``mp_policy``, ``reshard_after_forward``). Returns ``module``."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard_within(parent: Module) -> None:
+        for child in parent.children():
+            if isinstance(child, block_types):
+                fully_shard(child, mesh=mesh, **options)
+            else:
+                shard_within(child)
+
+    shard_within(module)
+    fully_shard(module, mesh=mesh, **options)
+    return module
+
+
+class TimedAllGather:
+    """FSDP2's all-gather (``inner``, its ``AllGather`` comm), each call told to ``timer`` as a collective inside the
+    step: the wait for the other ranks is not this rank's compute (:class:`~lightning_dynamix.metrics.StepClock`)."""
+
+    def __init__(self, inner: Any, timer: WaitTimer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, async_op: bool = False
+    ) -> dist.Work | None:
+        started = self.timer.now()
+        work = self.inner(output_tensor, input_tensor, group, async_op)
+        if work is None or not async_op:  # an asynchronous one ends at its wait, elsewhere: not timed
+            self.timer.collective(started, self.timer.now())
+        return work
+
+
+class TimedReduceScatter:
+    """FSDP2's reduce-scatter (``inner``, its ``ReduceScatter`` comm), each call told to ``timer`` as a collective
+    inside the step, as :class:`TimedAllGather` is."""
+
+    def __init__(self, inner: Any, timer: WaitTimer) -> None:
+        self.inner, self.timer = inner, timer
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: Tensor,
+        input_tensor: Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        started = self.timer.now()
+        work = self.inner(output_tensor, input_tensor, group, op, async_op)
+        if work is None or not async_op:
+            self.timer.collective(started, self.timer.now())
+        return work
+
+
+def time_collectives(module: Module, timer: WaitTimer) -> None:
+    """Tell ``timer`` of every all-gather and reduce-scatter ``module``'s FSDP modules run (once per module: a
+    second call changes nothing)."""
+    for fsdp_module in fsdp_modules(module):
+        for group in _compat.fsdp_param_groups(fsdp_module):
+            all_gather, reduce_scatter = _compat.fsdp_comms(group)
+            if not isinstance(all_gather, TimedAllGather):
+                all_gather = TimedAllGather(all_gather, timer)
+            if not isinstance(reduce_scatter, TimedReduceScatter):
+                reduce_scatter = TimedReduceScatter(reduce_scatter, timer)
+            _compat.set_fsdp_comms(group, all_gather, reduce_scatter)

@@ -59,6 +59,7 @@ from lightning_dynamix.distributed.sharded import (
     save_shards,
     scale_gradients,
     set_gradient_sync,
+    time_collectives,
 )
 from lightning_dynamix.elastic import Preempted, PreemptionNotice, gather_machine_ids
 from lightning_dynamix.metrics import StepClock
@@ -457,6 +458,9 @@ class DynamixAccelerate:
             return
         clock = StepClock(time_source=self.time_source or time_source_for(self.accelerator.device))
         self.batch_core.set_step_clock(clock)
+        if self.sharded:  # FSDP's all-gathers and reduce-scatters: waiting for the others, not compute
+            assert self.model is not None
+            time_collectives(self.model, clock)
         if self.meter.noise_scale is not None:
             self.hook_state.norms = BucketNorms()
         self.meter.start(clock, self.accelerator.device, self.global_step)

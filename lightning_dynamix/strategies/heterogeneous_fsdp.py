@@ -30,7 +30,15 @@ from lightning_dynamix.batch_core import GradientNormSink, PerRankBatchCore
 from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.distributed import LossReduction
 from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
-from lightning_dynamix.distributed.sharded import check_fully_sharded, scale_gradients, set_gradient_sync
+from lightning_dynamix.distributed.sharded import (
+    check_fully_sharded,
+    is_sharded,
+    scale_gradients,
+    set_gradient_sync,
+    time_collectives,
+)
+from lightning_dynamix.metrics.clocks import TimeSource
+from lightning_dynamix.metrics.timers import StepClock
 from lightning_dynamix.strategies.per_rank import PerRankBatchStrategy
 
 STRATEGY_NAME = "heterogeneous_fsdp"
@@ -148,6 +156,9 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         assert module is not None
         self._global_batch_norm = has_global_batch_norm(module)
         self._check_training_setup(module.trainer)
+        if self._step_clock is not None:  # FSDP's all-gathers and reduce-scatters: waiting, not compute
+            assert self.model is not None
+            time_collectives(self.model, self._step_clock)
         if not module.automatic_optimization:
             raise MisconfigurationException(
                 "HeterogeneousFSDPStrategy needs automatic optimisation: it weights each backward pass by the rank's"
@@ -166,7 +177,7 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
             assert loader is not None
             # FSDP's all-gathers and reduce-scatters need every rank: one sample of the step, trained at weight 0
             args = (self.batch_to_device(loader.placeholder_batch()), *args[1:])
-            module.trainer._results.batch_size = 0  # what it logs weighs nothing in the epoch's means
+            _compat.logged_results(module.trainer).batch_size = 0  # what it logs weighs nothing in the epoch's means
         self._in_training_step = True
         try:
             with statistics_over(None, self._step_clock, placeholder=self._placeholder):
@@ -219,6 +230,13 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
             return None
         step = loader.current_step
         return min(step - step % accumulate + accumulate, module.trainer.num_training_batches)
+
+    @override
+    def enable_step_clock(self, time_source: TimeSource | None = None) -> StepClock:
+        clock = super().enable_step_clock(time_source)
+        if self.model is not None and is_sharded(self.model):  # else at the start of training, once sharded
+            time_collectives(self.model, clock)
+        return clock
 
     @override
     def enable_gradient_norms(self, sink: GradientNormSink | None) -> None:

@@ -122,3 +122,18 @@ def test_accelerate_refuses_a_model_it_cannot_weight_and_a_loss_without_the_mode
         assert "has 2 trained parameter(s) no fully_shard holds (2.weight, 2.bias)" in messages["loose"]
         assert "convert them before fully_shard" in messages["plain"]
         assert "a process that sits a step out is handed one sample of the step" in messages["zero_loss"]
+
+
+def test_a_rank_that_makes_the_others_wait_inside_the_step_is_measured_slow_and_given_fewer_samples(tmp_path, pools):
+    """Virtual clocks (jobs/fsdp2_wait_job.py): rank 1 computes 3x slower, and FSDP's collectives hold rank 0 until it
+    arrives, inside rank 0's forward and backward. Timed as waiting, rank 0's compute is its own: pid moves samples
+    to it (counted as compute, both ranks would read alike and the split stay even)."""
+    pools(2).run_script("fsdp2_wait_job.py", tmp_path, cwd=tmp_path)
+    records = torch.load(tmp_path / "decisions.pt")
+    first = records[0]
+    assert first["sizes"] == [8, 8]
+    assert first["compute"][1] == pytest.approx(3 * first["compute"][0])  # 24 ms against 8 ms of virtual compute
+    assert first["wait"][0] >= 2 * first["compute"][0]  # rank 0 waited inside its step for rank 1
+    final = records[-1]["decided"]
+    assert sum(final) == 16
+    assert final[0] >= 11  # towards 12:4, the split that evens 1:3
