@@ -92,6 +92,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser, batch_size: int, cont
         " (HeterogeneousDDPStrategy(group_by_length=N)); default: sequences at random",
     )
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="shard the model with FSDP2 (fully_shard on each layer or block) under HeterogeneousFSDPStrategy;"
+        " default: DDP (HeterogeneousDDPStrategy)",
+    )
+    parser.add_argument(
         "--sync-batchnorm",
         action="store_true",
         help="BatchNorm over the global batch (Trainer(sync_batchnorm=True), GlobalBatchNorm); default: per rank",
@@ -150,6 +156,7 @@ def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:
         links=args.links,
         load_changes=args.load_changes,
         group_by_length=args.group_by_length,
+        sharded=args.sharded,
         **fields,
     )
 
@@ -173,6 +180,8 @@ def check_machine(args: argparse.Namespace) -> None:
     """``--links`` as rates and the schedule split into the emulator's factors (``args.schedule``) and the machine's
     changes (``args.load_changes``), each checked against the run and this machine: a ``SystemExit`` saying what
     is wrong."""
+    if args.sharded and args.architecture == "causal-lm":
+        raise SystemExit("--sharded trains the classification workloads (mlp, transformer, resnet), not causal-lm")
     if args.group_by_length is not None and (args.architecture != "causal-lm" or args.group_by_length < 2):
         raise SystemExit(
             f"--group-by-length needs --architecture causal-lm and at least 2 samples, got {args.group_by_length}"

@@ -31,11 +31,12 @@ from typing_extensions import override
 from lightning_dynamix.bench import contention
 from lightning_dynamix.bench.cluster import node_environment
 from lightning_dynamix.bench.load import HOSTS_ENV, LoadChange, LoadSchedule
+from lightning_dynamix.bench.sharded import ShardedClassificationTask
 from lightning_dynamix.callbacks import DynamixCallback, HeterogeneityEmulator
 from lightning_dynamix.data.images import ImageClassificationDataModule
 from lightning_dynamix.data.items import LabelTokens
 from lightning_dynamix.data.workloads import ClassificationDataModule, ClassificationTask
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,9 @@ class RunConfig:
             ``None``: the ranks share this machine's loopback, launched by Lightning.
         group_by_length: ``causal-lm``: the strategy's ``group_by_length`` (batches of alike lengths); ``None``: not.
         target_loss: time to target is to this validation loss instead of ``target_accuracy``; ``None``: accuracy.
+        sharded: train the classification workload sharded with FSDP2 under ``HeterogeneousFSDPStrategy``
+            (:mod:`lightning_dynamix.bench.sharded`; ``sync_batchnorm`` then converts its BatchNorm layers before
+            ``fully_shard``); ``False``: ``HeterogeneousDDPStrategy``.
     """
 
     controller: str = "pid"
@@ -119,6 +123,7 @@ class RunConfig:
     pid_max_global_batch: int | None = None
     group_by_length: int | None = None
     target_loss: float | None = None
+    sharded: bool = False
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -264,7 +269,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         accelerator="cpu",
         devices=1 if hosted else world,  # on hosts: a node each
         num_nodes=world if hosted else 1,
-        strategy=HeterogeneousDDPStrategy(
+        strategy=(HeterogeneousFSDPStrategy if config.sharded else HeterogeneousDDPStrategy)(
             batch_sizes=list(config.batch_sizes) if config.batch_sizes else [config.batch_size] * world,
             max_batch_size=config.max_batch_size,
             min_batch_size=config.min_batch_size,
@@ -278,7 +283,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         val_check_interval=1.0 / config.val_checks_per_epoch,
         num_sanity_val_steps=0,
         callbacks=[*slowdown, dynamix, clock],
-        sync_batchnorm=config.sync_batchnorm,
+        sync_batchnorm=config.sync_batchnorm and not config.sharded,  # sharded: converted before fully_shard
         logger=False if config.log_dir is None else CSVLogger(config.log_dir, name=config.controller, version=""),
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -356,7 +361,7 @@ def _workload(config: RunConfig) -> tuple[LightningDataModule, LightningModule]:
     data: LightningDataModule = data_module(
         num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
     )
-    model = ClassificationTask(
+    model = (ShardedClassificationTask if config.sharded else ClassificationTask)(
         hidden=config.hidden,
         depth=config.depth,
         lr=config.lr,
@@ -364,6 +369,8 @@ def _workload(config: RunConfig) -> tuple[LightningDataModule, LightningModule]:
         architecture=config.architecture,  # type: ignore[arg-type]
         seed=config.seed,
     )
+    if isinstance(model, ShardedClassificationTask):
+        model.global_batch_norm = config.sync_batchnorm
     return data, model
 
 

@@ -1,8 +1,9 @@
 """``dynamix bench overhead``: what the package costs where it has nothing to balance.
 
 HeterogeneousDDPStrategy with equal sizes against Lightning's ddp (optionally with DynamixCallback or
-PreemptionCheckpoint, whose own time is measured inside the runs), or ``--fault-tolerant``: FaultTolerantStrategy
-replicas against HeterogeneousDDPStrategy nodes; in interleaved rounds (:mod:`lightning_dynamix.bench.rounds`).
+PreemptionCheckpoint, whose own time is measured inside the runs), ``--sharded``: HeterogeneousFSDPStrategy against
+Lightning's ModelParallelStrategy (plain FSDP2), or ``--fault-tolerant``: FaultTolerantStrategy replicas against
+HeterogeneousDDPStrategy nodes; in interleaved rounds (:mod:`lightning_dynamix.bench.rounds`).
 """
 
 from __future__ import annotations
@@ -18,19 +19,20 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 
 from lightning_dynamix import DynamixCallback, PreemptionCheckpoint
 from lightning_dynamix._stats import bootstrap_median_interval
 from lightning_dynamix.bench.harness import is_launcher_rank_zero
 from lightning_dynamix.bench.records import arguments_record, machine_description
 from lightning_dynamix.bench.rounds import interleaved_rounds
+from lightning_dynamix.bench.sharded import ShardedDemoClassifier
 from lightning_dynamix.bench.timing import StepTimer
 from lightning_dynamix.data.synthetic import DemoClassifier
 from lightning_dynamix.distributed import free_port
 from lightning_dynamix.metrics import StepClock
 from lightning_dynamix.metrics.system import CpuQuota
-from lightning_dynamix.strategies import HeterogeneousDDPStrategy
+from lightning_dynamix.strategies import HeterogeneousDDPStrategy, HeterogeneousFSDPStrategy
 
 NUM_CLASSES = 10
 
@@ -65,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: FaultTolerantStrategy (torchft replicas meeting at a lighthouse, no failures) against"
         " HeterogeneousDDPStrategy with equal sizes, each process started by the bench as a node of its own",
+    )
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="instead: HeterogeneousFSDPStrategy with equal sizes against Lightning's ModelParallelStrategy (plain"
+        " FSDP2), the MLP sharded with fully_shard on each layer",
     )
     parser.add_argument(
         "--with-preemption",
@@ -170,7 +178,7 @@ def _median_step(strategy: object, args: argparse.Namespace, extra_callbacks: li
         enable_model_summary=False,
     )
     # no per-step synchronised logging: Lightning's own sync adds a barrier that would hide our costs
-    model = DemoClassifier(
+    model = (ShardedDemoClassifier if args.sharded else DemoClassifier)(
         num_samples=8192,
         num_features=args.features,
         num_classes=NUM_CLASSES,
@@ -258,6 +266,8 @@ def _run_fault_tolerant(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Plain Lightning DDP against HeterogeneousDDPStrategy with equal sizes, alternating ABBA."""
+    if args.sharded and (args.fault_tolerant or args.with_preemption):
+        raise SystemExit("dynamix bench overhead: --sharded runs neither --fault-tolerant nor --with-preemption")
     if args.fault_tolerant:
         if args.with_callback or args.with_preemption:
             raise SystemExit(
@@ -271,7 +281,8 @@ def run(args: argparse.Namespace) -> None:
 
     def measure(variant: str, _: int) -> float:
         if variant == "ddp":
-            return _median_step(DDPStrategy(), args)
+            plain = ModelParallelStrategy(args.devices, 1) if args.sharded else DDPStrategy()
+            return _median_step(plain, args)
         callbacks: list[Any] = []
         cost = check = None
         if args.with_callback:
@@ -282,7 +293,8 @@ def run(args: argparse.Namespace) -> None:
             preemption = PreemptionCheckpoint(dirpath=Path(tempfile.gettempdir()) / "dynamix-bench-preemption")
             check = HookCost(preemption, "on_train_batch_end")
             callbacks.append(preemption)
-        step = _median_step(HeterogeneousDDPStrategy(batch_sizes=[args.batch_size] * args.devices), args, callbacks)
+        ours = HeterogeneousFSDPStrategy if args.sharded else HeterogeneousDDPStrategy
+        step = _median_step(ours(batch_sizes=[args.batch_size] * args.devices), args, callbacks)
         if cost is not None:
             costs.append(cost.per_step(args.interval))
         if check is not None:
@@ -295,7 +307,10 @@ def run(args: argparse.Namespace) -> None:
     if not is_launcher_rank_zero():
         return
     low, high = bootstrap_median_interval(ratios)
-    ours_name = "heterogeneous_ddp" + (" + DynamixCallback" if args.with_callback else "")
+    plain_name = "fsdp2" if args.sharded else "ddp"
+    ours_name = ("heterogeneous_fsdp" if args.sharded else "heterogeneous_ddp") + (
+        " + DynamixCallback" if args.with_callback else ""
+    )
     ours_name += " + PreemptionCheckpoint" if args.with_preemption else ""
     result = {
         "benchmark": "overhead",
@@ -303,8 +318,8 @@ def run(args: argparse.Namespace) -> None:
         "median_ratio": statistics.median(ratios),
         "median_ratio_95ci": [low, high],
         "ratios": ratios,
-        "median_step_ms_ddp": 1e3 * statistics.median(plain_steps),
-        "median_step_ms_heterogeneous_ddp": 1e3 * statistics.median(ours_steps),
+        f"median_step_ms_{plain_name}": 1e3 * statistics.median(plain_steps),
+        f"median_step_ms_{ours_name.split()[0]}": 1e3 * statistics.median(ours_steps),
         "config": arguments_record(args),
         "machine": machine_description(),
     }
@@ -313,14 +328,15 @@ def run(args: argparse.Namespace) -> None:
         f" {network_name(args)}, {args.rounds} rounds of {args.steps} timed steps"
     )
     header = f"{ours_name} (ms/step)"
-    print(f"{'round':>5}  {'ddp (ms/step)':>13}  {header:>{len(header)}}  {'ratio':>6}")
+    plain_header = f"{plain_name} (ms/step)"
+    print(f"{'round':>5}  {plain_header:>13}  {header:>{len(header)}}  {'ratio':>6}")
     for i, (plain, ours, ratio) in enumerate(zip(plain_steps, ours_steps, ratios)):
         print(f"{i:>5}  {1e3 * plain:>13.2f}  {1e3 * ours:>{len(header)}.2f}  {ratio:>6.3f}")
-    goal = 1.02 if args.with_callback else 1.01
+    goal = 1.02 if args.with_callback or args.sharded else 1.01
     print(
-        f"median step-time ratio {ours_name} / ddp: {result['median_ratio']:.3f}"
+        f"median step-time ratio {ours_name} / {plain_name}: {result['median_ratio']:.3f}"
         f" (95% bootstrap interval {low:.3f} to {high:.3f}; goal <= {goal});"
-        f" median steps {result['median_step_ms_ddp']:.2f} ms vs {result['median_step_ms_heterogeneous_ddp']:.2f} ms"
+        f" median steps {1e3 * statistics.median(plain_steps):.2f} ms vs {1e3 * statistics.median(ours_steps):.2f} ms"
     )
     if args.with_callback:
         clock = step_clock_cost()

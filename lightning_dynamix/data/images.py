@@ -168,7 +168,7 @@ class ImageClassificationDataModule(LightningDataModule):
         return split_loader(validation, h.val_batch_size, h.num_workers, seed=None)
 
 
-class _BasicBlock(nn.Module):
+class ResidualBlock(nn.Module):
     """Two 3x3 convolutions with BatchNorm and a shortcut (a strided 1x1 convolution where the shape changes)."""
 
     def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
@@ -200,7 +200,7 @@ class ResNet(nn.Module):
             nn.Conv2d(channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
         )
         self.stages = nn.Sequential(
-            _BasicBlock(width, width, 1), _BasicBlock(width, 2 * width, 2), _BasicBlock(2 * width, 4 * width, 2)
+            ResidualBlock(width, width, 1), ResidualBlock(width, 2 * width, 2), ResidualBlock(2 * width, 4 * width, 2)
         )
         self.head = nn.Linear(4 * width, num_classes)
 
