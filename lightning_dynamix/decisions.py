@@ -12,6 +12,7 @@ Both are collectives where they say so: call them on every rank at the same step
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -20,12 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from lightning_dynamix._checks import require_int
 from lightning_dynamix.control import CONTROLLERS, BatchController, Decision, lr_scale, make_controller
 from lightning_dynamix.control.allocation import respect_batch_size_caps, respect_least_batch_size
 from lightning_dynamix.distributed import broadcast_floats, gather_floats
 from lightning_dynamix.metrics import ClusterState, GradientNoiseScale, StepClock, SystemMonitor, WorkerMetrics
+from lightning_dynamix.metrics.arrivals import Span, clock_offsets, own_time_inside
+from lightning_dynamix.metrics.clocks import HostClock
 from lightning_dynamix.metrics.memory import CudaMemoryReader, DeviceMemory, check_margin
 from lightning_dynamix.metrics.state import loss_slope
 
@@ -33,6 +37,7 @@ log = logging.getLogger(__name__)
 
 NAN = float("nan")
 _LOSS_HISTORY = 4  # intervals the loss slope is fitted over
+_CLOCK_ROUNDS = 3  # all-gathers stamped before and after that put the ranks' clocks on one line
 _OK, _ERROR = 1.0, -1.0
 # a rank the controller keeps at size 0 is probed (given a few samples for one interval) after this many
 # decisions, then after twice as many each time it stays out, up to _PROBE_WAIT_MOST, and never so soon
@@ -200,9 +205,15 @@ class IntervalMeter:
             "padding": summary.padding,
         }
         names = WorkerMetrics.float_fields()
-        row = [float(batch_size), loss, *(values[name] for name in names)]
+        # arrivals inside the step can be compared on the host's clock (a device's marks are not times of day)
+        inside = summary.collectives if isinstance(self.clock.time_source, HostClock) else ()
+        spans = sum(1 for step in inside if step)
+        row = [float(batch_size), loss, float(spans), float(summary.steps), *(values[name] for name in names)]
         rows = gather_floats(row, device=device)  # the interval's one all_gather
-        workers = tuple(WorkerMetrics(r, int(v[0]), **dict(zip(names, v[2:], strict=True))) for r, v in enumerate(rows))
+        workers = tuple(WorkerMetrics(r, int(v[0]), **dict(zip(names, v[4:], strict=True))) for r, v in enumerate(rows))
+        if len(rows) > 1 and all(v[2] > 0 and v[3] > 0 for v in rows):  # every rank's collectives: who waited
+            last = int(min(v[3] for v in rows))  # the steps at every rank's latest size: its means are over them
+            workers = self._waits_by_arrival(workers, inside[-last:], device)
         global_loss = _weighted_loss([(v[0], v[1]) for v in rows])
         if math.isfinite(global_loss):
             self._loss_points = [*self._loss_points, (step, global_loss)][-_LOSS_HISTORY:]
@@ -219,6 +230,34 @@ class IntervalMeter:
             min_batch_size=low,
             max_batch_size=high,
             least_batch_size=max(least_batch_size, low),
+        )
+
+    def _waits_by_arrival(
+        self, workers: tuple[WorkerMetrics, ...], inside: Sequence[Sequence[Span]], device: torch.device
+    ) -> tuple[WorkerMetrics, ...]:
+        """The workers with their time inside the step's collectives split by arrival: waiting for the last rank
+        stays ``sync_wait``, the rest (the collective itself, a rank descheduled inside it) is ``compute_time``.
+
+        A collective (a few small all-gathers that put the ranks' clocks on one line, then one of the arrivals):
+        call it on every rank, each with its own arrivals of the same steps. See :mod:`~lightning_dynamix.metrics.
+        arrivals`.
+        """
+        assert self.clock is not None
+        rounds = []
+        for _ in range(_CLOCK_ROUNDS):
+            before = self.clock.now()
+            gather_floats([0.0], device=device)
+            rounds.append((float(before), float(self.clock.now())))
+        everyone: list[Any] = [None] * len(workers)
+        dist.all_gather_object(everyone, (rounds, [list(step) for step in inside]))
+        offsets = clock_offsets([r for r, _ in everyone])
+        result = own_time_inside([steps for _, steps in everyone], offsets)
+        if result is None:
+            return workers
+        own, _ = result
+        return tuple(
+            dataclasses.replace(w, compute_time=w.compute_time + seconds, sync_wait=max(0.0, w.sync_wait - seconds))
+            for w, seconds in zip(workers, own)
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from lightning_dynamix.metrics.arrivals import Span
 from lightning_dynamix.metrics.clocks import HostClock, Mark, TimeSource
 from lightning_dynamix.metrics.system import CpuQuota, find_cpu_quota
 
@@ -45,6 +46,9 @@ class StepRecord:
     """The step's work, what its time grows with (a language model's token positions); NaN where not counted."""
     padding: float = NAN
     """How much of ``work`` was padding (token positions); NaN where not known."""
+    collectives: tuple[Span, ...] = ()
+    """The collectives counted as waiting in ``sync_wait`` (those before the gradients were ready), each
+    ``(arrival, release)`` on the host's clock; empty on a device clock, whose marks are not times of day."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class IntervalSummary:
     """Mean work per step (token positions, padding included); NaN unless every step's was counted."""
     padding: float = NAN
     """The fraction of ``work`` that was padding, in [0, 1]; NaN unless every step's was known."""
+    collectives: tuple[tuple[Span, ...], ...] = ()
+    """Every regular step's :attr:`StepRecord.collectives` since the interval began (at every size, oldest first:
+    the same steps on every rank), for :mod:`~lightning_dynamix.metrics.arrivals`."""
 
 
 def _union_length(spans: list[tuple[float, float]]) -> float:
@@ -307,6 +314,7 @@ class StepClock:
             least_sync_wait=self._least_sync_wait,
             work=work / n,
             padding=padding / work if work > 0 else NAN,
+            collectives=tuple(self._interval_collectives),
         )
 
     def reset_interval(self) -> None:
@@ -347,6 +355,14 @@ class StepClock:
         collectives = [(at(s), at(e)) for s, e in pending.collectives]
         spans = [(at(s), at(e)) for s, e in pending.comm_spans]
         waited = _overlap(collectives, data_end, ready)  # waiting for others before the gradients
+        # on the host's clock a mark is a time: the same line on every rank of a machine (arrivals compared)
+        host_origin = origin if isinstance(source, HostClock) else None
+        inside = tuple(
+            (host_origin + max(s, data_end), host_origin + min(e, ready))
+            for s, e in collectives
+            # those inside, a zero-length one too (the last to arrive), or reaching into it
+            if host_origin is not None and (data_end <= s <= e <= ready or min(e, ready) > max(s, data_end))
+        )
         return StepRecord(
             batch_size=pending.batch_size,
             data_time=data_end - data_start,
@@ -361,6 +377,7 @@ class StepClock:
             slowdown=pending.slowdown,
             work=pending.work,
             padding=pending.padding,
+            collectives=inside,
         )
 
     def _reset_step(self) -> None:
@@ -380,7 +397,9 @@ class StepClock:
             self._comm_bytes = 0
             self._comm_spans: list[tuple[Mark, Mark]] = []
 
-    def _reset_interval(self, batch_size: int) -> None:
+    def _reset_interval(self, batch_size: int, new_interval: bool = True) -> None:
+        if new_interval:
+            self._interval_collectives: list[tuple[Span, ...]] = []
         self._interval_size = batch_size
         self._steps = 0
         self._synced_steps = 0
@@ -389,8 +408,9 @@ class StepClock:
         self._sums = dict.fromkeys((*names, "work", "padding"), 0.0)
 
     def _add(self, record: StepRecord) -> None:
+        self._interval_collectives.append(record.collectives)
         if record.batch_size != self._interval_size:
-            self._reset_interval(record.batch_size)  # times at another size would be mixed in
+            self._reset_interval(record.batch_size, new_interval=False)  # times at another size would be mixed in
         self._steps += 1
         for name in ("data_time", "compute_time", "sync_wait", "step_time", "cpu_time", "work", "padding"):
             self._sums[name] += getattr(record, name)  # NaN (not counted) at one step makes the interval's NaN

@@ -128,8 +128,8 @@ def test_a_rank_that_makes_the_others_wait_inside_the_step_is_measured_slow_and_
     """Virtual clocks (jobs/fsdp2_wait_job.py): rank 1 computes 3x slower, and FSDP's collectives hold rank 0 until it
     arrives, inside rank 0's forward and backward. Timed as waiting, rank 0's compute is its own: pid moves samples
     to it (counted as compute, both ranks would read alike and the split stay even)."""
-    pools(2).run_script("fsdp2_wait_job.py", tmp_path, cwd=tmp_path)
-    records = torch.load(tmp_path / "decisions.pt")
+    pools(2).run_script("fsdp2_wait_job.py", tmp_path, "compute", cwd=tmp_path)
+    records = torch.load(tmp_path / "decisions-compute.pt")
     first = records[0]
     assert first["sizes"] == [8, 8]
     assert first["compute"][1] == pytest.approx(3 * first["compute"][0])  # 24 ms against 8 ms of virtual compute
@@ -137,3 +137,19 @@ def test_a_rank_that_makes_the_others_wait_inside_the_step_is_measured_slow_and_
     final = records[-1]["decided"]
     assert sum(final) == 16
     assert final[0] >= 11  # towards 12:4, the split that evens 1:3
+
+
+def test_a_rank_late_to_run_again_after_each_collective_is_measured_slow_by_its_arrivals(tmp_path, pools):
+    """Virtual clocks (jobs/fsdp2_wait_job.py, ``wake``): both ranks compute alike, but rank 1 runs again 0.5 ms after
+    each collective completed (a co-tenant holds its core), inside its time in the collective, and so arrives late
+    at the next, where rank 0 waits. By time inside collectives alone both read alike; by arrivals, rank 1's late
+    wake is its own time, rank 0's wait is waiting, and pid moves samples to rank 0."""
+    pools(2).run_script("fsdp2_wait_job.py", tmp_path, "wake", cwd=tmp_path)
+    records = torch.load(tmp_path / "decisions-wake.pt")
+    first = records[0]
+    assert first["sizes"] == [8, 8]
+    assert first["compute"][0] == pytest.approx(0.008)  # its own 8 samples at 1 ms
+    assert first["compute"][1] > first["compute"][0] + 0.002  # 8 ms and the late wakes after the last arrival
+    assert first["wait"][0] > 0.002  # rank 0 waited for rank 1 at the collectives after
+    assert first["decided"] == [9, 7]  # the closest split to even 9.5:6.5
+    assert records[-1]["decided"] == [9, 7]
