@@ -3,8 +3,8 @@
 fully_shard).
 
 Two and three gloo ranks, float64, sizes that change mid-epoch and inside accumulation windows and give a rank 0
-samples (it runs one sample of the step at weight 0, so that FSDP's collectives meet): an MLP with SGD and with Adam
-and accumulation, a model with GlobalBatchNorm (a rank may train a single sample), a transformer block
+samples (it runs one sample of the step at weight 0, so that FSDP's collectives meet): an MLP with SGD, a model with
+GlobalBatchNorm (a rank may train a single sample), a transformer block with Adam and accumulation
 (jobs/fsdp2_lightning_job.py, jobs/fsdp2_accelerate_job.py).
 """
 
@@ -137,6 +137,12 @@ def test_a_rank_that_makes_the_others_wait_inside_the_step_is_measured_slow_and_
     final = records[-1]["decided"]
     assert sum(final) == 16
     assert final[0] >= 11  # towards 12:4, the split that evens 1:3
+
+
+def test_a_cap_on_the_fast_rank_s_machine_bounds_the_split_the_controller_wants(tmp_path, pools):
+    pools(2).run_script("fsdp2_wait_job.py", tmp_path, "capped", cwd=tmp_path)
+    records = torch.load(tmp_path / "decisions-capped.pt")
+    assert {tuple(r["decided"]) for r in records} == {(10, 6)}  # 12:4 would even 1:3; rank 0 holds 10
 
 
 def test_a_rank_late_to_run_again_after_each_collective_is_measured_slow_by_its_arrivals(tmp_path, pools):

@@ -100,6 +100,12 @@ def test_manual_optimisation_is_refused_naming_what_to_use_instead():
         fit(ShardedModel(manual=True), HeterogeneousFSDPStrategy(), max_epochs=1)
 
 
+def test_caps_that_cannot_hold_the_global_batch_are_refused_naming_them():
+    # (caps that bound a controller's split on two ranks: tests/distributed/test_fsdp2.py)
+    with pytest.raises(ValueError, match=r"largest batch sizes \[3\] hold 3 samples, fewer than the global batch of 8"):
+        fit(ShardedModel(), HeterogeneousFSDPStrategy(batch_size_caps=[3]), max_epochs=1)
+
+
 def test_sync_batchnorm_is_refused_naming_the_conversion_to_make_in_configure_model():
     with pytest.raises(MisconfigurationException, match="convert the model's BatchNorm layers in configure_model"):
         fit(ShardedModel(), HeterogeneousFSDPStrategy(), max_epochs=1, sync_batchnorm=True)

@@ -23,7 +23,6 @@ from lightning_dynamix.distributed.batch_norm import convert_batch_norm
 # name: (network, optimizer, accumulate_grad_batches)
 SCENARIOS = {
     "mlp-sgd": ("mlp", "sgd", 1),
-    "mlp-adam-acc2": ("mlp", "adam", 2),
     "batch-norm-sgd": ("batch-norm", "sgd", 1),
     "transformer-adam-acc2": ("transformer", "adam", 2),
 }

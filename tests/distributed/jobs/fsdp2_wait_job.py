@@ -5,9 +5,9 @@ Usage: python fsdp2_wait_job.py OUT_DIR MODE
 Every rank's step clock reads a virtual time, and every FSDP all-gather and reduce-scatter moves every rank's
 virtual time to the latest of them (an all-reduce of the times inside the collective), as a real collective holds
 the ranks until the last arrives: the fast rank's wait lies inside its forward and backward. MODE ``compute``: rank
-1 computes 3x slower (``VirtualCompute``). MODE ``wake``: both compute alike, but rank 1 takes 0.5 ms to run again
-after each collective completes (a co-tenant holds its core), so it arrives late at the next one. Rank 0 saves the
-decisions.
+1 computes 3x slower (``VirtualCompute``); ``capped``: the same, rank 0's machine capped at 10 samples; ``wake``:
+both compute alike, but rank 1 takes 0.5 ms to run again after each collective completes (a co-tenant holds its
+core), so it arrives late at the next one. Rank 0 saves the decisions.
 """
 
 import sys
@@ -63,12 +63,17 @@ class SharedWaits(Callback):
 
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-compute = VirtualCompute(seconds_per_sample=1e-3, schedule=[[0, 1, 3.0]] if mode == "compute" else [])
+compute = VirtualCompute(seconds_per_sample=1e-3, schedule=[] if mode == "wake" else [[0, 1, 3.0]])
 wake = 5e-4 if mode == "wake" else 0.0  # rank 1's
 dynamix = DynamixCallback("pid", interval=2, warmup_steps=1, gradient_noise_scale=False)
 trainer = quiet_trainer(
     devices=2,
-    strategy=HeterogeneousFSDPStrategy(batch_sizes=[8, 8], seed=3, timeout=timedelta(seconds=60)),
+    strategy=HeterogeneousFSDPStrategy(
+        batch_sizes=[8, 8],
+        seed=3,
+        timeout=timedelta(seconds=60),
+        batch_size_caps=[10, None] if mode == "capped" else None,
+    ),
     precision="32-true",
     max_steps=24,
     callbacks=[compute, SharedWaits(compute, wake), dynamix],
