@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dynamix import DynamixCallback, HeterogeneousFSDPStrategy
+from tests.unit.test_strategy import fit
 
 pytestmark = pytest.mark.usefixtures("isolated_process_group")
 
@@ -48,22 +49,6 @@ class ShardedModel(LightningModule):
 
     def train_dataloader(self):
         return DataLoader(TensorDataset(torch.arange(40), torch.randn(40, 2)), batch_size=8)
-
-
-def fit(model, strategy, **kwargs):
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
-    trainer.fit(model)
-    return trainer
 
 
 def test_the_registered_name_trains_every_sample_once_with_the_dataloader_s_batch_size():

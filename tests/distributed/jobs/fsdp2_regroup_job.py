@@ -14,27 +14,16 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from common import REGROUP_PLAN as PLAN
-from common import Recorder, VirtualCompute, quiet_trainer, uneven
+from common import Recorder, VirtualCompute, quiet_trainer
 from fsdp2_lightning_job import ShardedNet
-from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
-from regroup_job_parts import ControllerProbe
+from regroup_job_parts import ControllerProbe, TotalResizer
 
 from lightning_dynamix import DynamixCallback, HeterogeneousFSDPStrategy
 
 world, out = int(sys.argv[1]), Path(sys.argv[2])
 resume_from = int(sys.argv[3]) if len(sys.argv) > 3 else None
 MID_STEP = 5
-
-
-class TotalResizer(Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        total = PLAN.get((trainer.current_epoch, batch_idx))
-        if batch_idx == trainer.num_training_batches - 1:
-            total = total or PLAN.get((trainer.current_epoch, -1))
-        if total is not None:
-            trainer.strategy.set_batch_sizes(uneven(total, trainer.world_size))
 
 
 def trainer_for(callbacks, **kwargs):

@@ -15,11 +15,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from common import REGROUP_PLAN as PLAN
-from common import Net, Recorder, VirtualCompute, quiet_trainer, uneven
-from lightning.pytorch import Callback
+from common import Net, Recorder, VirtualCompute, quiet_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from regroup_job_parts import ControllerProbe
+from regroup_job_parts import ControllerProbe, TotalResizer
 
 from lightning_dynamix import HeterogeneousDDPStrategy
 from lightning_dynamix.callbacks import DynamixCallback
@@ -49,15 +47,6 @@ def fit_controlled(name, ckpt_path=None, **trainer_kwargs):
     trainer.fit(Net(optimizer="sgd"), ckpt_path=ckpt_path)
     if trainer.global_rank == 0:
         torch.save({"start": probe.seen, "end": dynamix.maker.state_dict()}, out / f"pid-{name}-w{world}.pt")
-
-
-class TotalResizer(Callback):
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        total = PLAN.get((trainer.current_epoch, batch_idx))
-        if batch_idx == trainer.num_training_batches - 1:
-            total = total or PLAN.get((trainer.current_epoch, -1))
-        if total is not None:
-            trainer.strategy.set_batch_sizes(uneven(total, trainer.world_size))
 
 
 def fit(config, name, ckpt_path=None, **trainer_kwargs):
