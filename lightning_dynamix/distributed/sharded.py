@@ -65,10 +65,10 @@ def check_fully_sharded(module: Module, owner: str, error: type[Exception] = Val
         )
 
 
-def set_gradient_sync(module: Module, sync: bool) -> None:
-    """Let every FSDP module of ``module`` reduce-scatter its gradients in backward (``sync``), or keep them
-    unsharded and accumulating until a backward that does."""
-    for fsdp_module in fsdp_modules(module):
+def set_gradient_sync(modules: Sequence[FSDPModule], sync: bool) -> None:
+    """Let the FSDP ``modules`` (:func:`fsdp_modules`, found once: this runs at every backward) reduce-scatter their
+    gradients in backward (``sync``), or keep them unsharded and accumulating until a backward that does."""
+    for fsdp_module in modules:
         fsdp_module.set_requires_gradient_sync(sync, recurse=False)
 
 

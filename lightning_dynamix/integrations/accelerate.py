@@ -54,6 +54,7 @@ from lightning_dynamix.distributed.batch_norm import (
 )
 from lightning_dynamix.distributed.sharded import (
     check_fully_sharded,
+    fsdp_modules,
     is_sharded,
     load_shards,
     save_shards,
@@ -272,6 +273,7 @@ class DynamixAccelerate:
         self.sharded = False
         """Whether the model is sharded with FSDP2 (``fully_shard``) rather than wrapped in DDP."""
         self._shards_to_load: str | None = None
+        self._fsdp_modules: list[Any] = []  # a sharded model's FSDP modules, found once at prepare
         self.train_loader: PreparedTrainLoader | None = None
         self.optimizers: list[Any] = []
         self.global_step = 0
@@ -403,6 +405,7 @@ class DynamixAccelerate:
         else:
             check_fully_sharded(model, "DynamixAccelerate.prepare")
             self.sharded = True
+            self._fsdp_modules = fsdp_modules(model)
             # Accelerate saves what it prepared; a sharded model and its optimizers go through torch distributed
             # checkpoint, each process its shards, and load on any number of processes
             self.accelerator.register_save_state_pre_hook(self._save_shards)
@@ -514,7 +517,7 @@ class DynamixAccelerate:
             raise RuntimeError("DynamixAccelerate.backward needs the model and the training DataLoader from prepare()")
         if self.sharded:
             syncing = self.accelerator.sync_gradients  # accumulate() says whether this batch ends the window
-            set_gradient_sync(self.model, syncing)  # else FSDP keeps the unsharded gradients
+            set_gradient_sync(self._fsdp_modules, syncing)  # else FSDP keeps the unsharded gradients
             # FSDP2's reduce-scatter averages over the processes where DDP's hook sums; a placeholder weighs 0
             reduce_scale = 0.0 if self.sits_out else float(self.accelerator.num_processes)
         else:

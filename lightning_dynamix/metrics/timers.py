@@ -124,6 +124,7 @@ class _PendingStep:
         return list(unique.values())
 
 
+_MAX_INTERVAL_STEPS = 4096  # steps whose collectives an interval keeps for the arrivals' comparison
 _MAX_PENDING = 64  # steps waiting for the device before one is read by waiting (never reached in practice)
 
 
@@ -398,8 +399,8 @@ class StepClock:
             self._comm_spans: list[tuple[Mark, Mark]] = []
 
     def _reset_interval(self, batch_size: int, new_interval: bool = True) -> None:
-        if new_interval:
-            self._interval_collectives: list[tuple[Span, ...]] = []
+        if new_interval:  # bounded: a clock whose intervals nobody gathers (the emulator alone) keeps the latest
+            self._interval_collectives: deque[tuple[Span, ...]] = deque(maxlen=_MAX_INTERVAL_STEPS)
         self._interval_size = batch_size
         self._steps = 0
         self._synced_steps = 0

@@ -378,14 +378,6 @@ class HeterogeneousDDPStrategy(PerRankBatchStrategy, DDPStrategy):
             self.batch_core.end_window()
         return output
 
-    def _window_end(self, accumulate: int) -> int | None:
-        """The step after the last of the accumulation window being trained (``None``: this step ends it)."""
-        loader = self.batch_core.loader
-        if accumulate == 1 or loader is None or loader.current_step < 0:
-            return None
-        step = loader.current_step
-        return min(step - step % accumulate + accumulate, self.lightning_module.trainer.num_training_batches)
-
     @override
     def _training_group(self, sizes: BatchSizes) -> Any:
         # ranks that sit a step out do not run training_step: the others reduce among themselves

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -29,9 +30,10 @@ from lightning_dynamix import _compat
 from lightning_dynamix.batch_core import GradientNormSink, PerRankBatchCore
 from lightning_dynamix.data.items import ItemCounter
 from lightning_dynamix.distributed import LossReduction
-from lightning_dynamix.distributed.batch_norm import has_global_batch_norm, statistics_over
+from lightning_dynamix.distributed.batch_norm import statistics_over
 from lightning_dynamix.distributed.sharded import (
     check_fully_sharded,
+    fsdp_modules,
     is_sharded,
     scale_gradients,
     set_gradient_sync,
@@ -118,7 +120,7 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         self._start_per_rank()
         self._placeholder = False  # whether this rank runs the step being trained on a placeholder at weight 0
         self._gradient_sync_blocked = False
-        self._global_batch_norm = False
+        self._fsdp_modules: list[FSDPModule] = []
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -141,6 +143,7 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
             return
         assert self.model is not None
         check_fully_sharded(self.model, "HeterogeneousFSDPStrategy: after configure_model", MisconfigurationException)
+        self._fsdp_modules = fsdp_modules(self.model)
         module = self.lightning_module
         assert module is not None
         try:
@@ -154,7 +157,6 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
         super().on_train_start()
         module = self.lightning_module
         assert module is not None
-        self._global_batch_norm = has_global_batch_norm(module)
         self._check_training_setup(module.trainer)
         if self._step_clock is not None:  # FSDP's all-gathers and reduce-scatters: waiting, not compute
             assert self.model is not None
@@ -189,14 +191,13 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Inside the block FSDP2 keeps the unsharded gradients (no reduce-scatter): Lightning accumulates."""
-        assert self.model is not None
-        set_gradient_sync(self.model, False)
+        set_gradient_sync(self._fsdp_modules, False)
         self._gradient_sync_blocked = True
         try:
             yield
         finally:
             self._gradient_sync_blocked = False
-            set_gradient_sync(self.model, True)
+            set_gradient_sync(self._fsdp_modules, True)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -221,15 +222,6 @@ class HeterogeneousFSDPStrategy(PerRankBatchStrategy, ModelParallelStrategy):
             scale_gradients(self.model, self.batch_core.hook_state.weight)
             self.batch_core.end_window()
         return output
-
-    def _window_end(self, accumulate: int) -> int | None:
-        """The step after the last of the accumulation window being trained (``None``: this step ends it)."""
-        loader = self.batch_core.loader
-        module = self.lightning_module
-        if accumulate == 1 or loader is None or loader.current_step < 0 or module is None:
-            return None
-        step = loader.current_step
-        return min(step - step % accumulate + accumulate, module.trainer.num_training_batches)
 
     @override
     def enable_step_clock(self, time_source: TimeSource | None = None) -> StepClock:

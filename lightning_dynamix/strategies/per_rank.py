@@ -231,6 +231,14 @@ class PerRankBatchStrategy:
                 " combine the datasets into one (e.g. torch.utils.data.ConcatDataset)."
             )
 
+    def _window_end(self, accumulate: int) -> int | None:
+        """The step after the last of the accumulation window being trained (``None``: this step ends it)."""
+        loader = self.batch_core.loader
+        if accumulate == 1 or loader is None or loader.current_step < 0:
+            return None
+        step = loader.current_step
+        return min(step - step % accumulate + accumulate, self.lightning_module.trainer.num_training_batches)
+
     # ------------------------------------------------------------------ logging
     def _training_group(self, sizes: BatchSizes) -> Any:
         """The process group of the ranks that run ``training_step`` at a step of these sizes (``None``: all)."""

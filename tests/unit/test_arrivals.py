@@ -78,3 +78,21 @@ def test_the_clock_keeps_each_step_s_collectives_before_the_gradients_on_the_hos
     assert release - arrival == pytest.approx(0.03)
     clock.reset_interval()
     assert clock.summary().collectives == ()
+
+
+def test_a_clock_whose_intervals_nobody_gathers_keeps_only_the_latest_steps_arrivals():
+    # the emulator alone enables the clock and never gathers: a long job must not keep every step's collectives
+    from lightning_dynamix.metrics.timers import _MAX_INTERVAL_STEPS
+
+    t = ManualTime()
+    clock = StepClock(timer=t)
+    for _ in range(_MAX_INTERVAL_STEPS + 10):
+        clock.data_start()
+        clock.data_end(4)
+        clock.collective(t.now, t.now + 0.001)
+        t.advance(0.002)
+        clock.backward_end()
+        clock.step_end()
+    kept = clock.summary().collectives
+    assert len(kept) == _MAX_INTERVAL_STEPS
+    assert kept[-1][0][0] == pytest.approx(t.now - 0.002)  # the latest step's is among them
