@@ -109,24 +109,28 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
     def measure_turn(turn: str, _: int) -> RunResult | float | None:
         if turn == _BEST:
             assert best is not None
-            return measure(best)
+            return harness.run(dataclasses.replace(config, controller="static", batch_sizes=best))
         if turn in fixed:
             return harness.run(dataclasses.replace(config, controller="static", batch_sizes=fixed[turn]))
         return harness.run(dataclasses.replace(config, controller=turn))
 
     turns = [*([_BEST] if best is not None else []), *fixed, *controllers]
     measured = interleaved_rounds(turns, args.rounds, measure_turn)
-    fixed_rates: list[float] = measured.pop(_BEST, [])  # type: ignore[arg-type]
+    best_runs: list[RunResult] = measured.pop(_BEST, [])  # type: ignore[arg-type]
     runs: dict[str, list[RunResult]] = measured  # type: ignore[assignment]
     if not is_launcher_rank_zero():
         return None
+    fixed_rates = [samples_per_second(r, half) for r in best_runs]
+    fixed_whole = [samples_per_second(r, 0) for r in best_runs]
     if oracle is not None:
         oracle["best_samples_per_second_rounds"] = fixed_rates
         oracle["best_samples_per_second"] = statistics.median(fixed_rates)
+        oracle["best_samples_per_second_whole_run_rounds"] = fixed_whole
     change = first_change(args)
     table: dict[str, Any] = {}
     for controller, results in runs.items():
         rates = [samples_per_second(r, half) for r in results]
+        whole = [samples_per_second(r, 0) for r in results]
         settling = None if change is None else settling_intervals(results[0], change)
         table[controller] = {
             "samples_per_second_rounds": rates,
@@ -134,6 +138,18 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "fraction_of_best_fixed_split": None
             if oracle is None
             else statistics.median(rates) / oracle["best_samples_per_second"],
+            # each round against the same round's run of the best fixed split: the second half, and the whole run
+            # (the controller's first decisions, which the fixed split does without, included)
+            "fraction_of_best_fixed_split_rounds": None
+            if oracle is None
+            else [rate / best_rate for rate, best_rate in zip(rates, fixed_rates)],
+            "samples_per_second_whole_run_rounds": whole,
+            "fraction_of_best_fixed_split_whole_run_rounds": None
+            if oracle is None
+            else [rate / best_rate for rate, best_rate in zip(whole, fixed_whole)],
+            # per round: the step whose decision first put every rank within 2% (of the global batch) of its share
+            # in the run's final split
+            "settled_at_step_rounds": [settled_at_step(r) for r in results],
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
             # the language model's: token positions per second (padding included), against their ideal, and padding
             "tokens_per_second_rounds": [_work_after(r, half, "work_throughput") for r in results],
@@ -218,6 +234,12 @@ def _report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
             f"  {row['throughput_to_ideal_second_half']:>7.3f}"
         )
+        if row["fraction_of_best_fixed_split_rounds"] is not None:
+            halves = ", ".join(f"{v:.3f}" for v in row["fraction_of_best_fixed_split_rounds"])
+            wholes = ", ".join(f"{v:.3f}" for v in row["fraction_of_best_fixed_split_whole_run_rounds"])
+            print(f"{'':>10}  of the round's best fixed split: second half {halves}; whole run {wholes}")
+        settled = ", ".join("-" if s is None else str(s) for s in row["settled_at_step_rounds"])
+        print(f"{'':>10}  first within 2% of its final split at step (rounds): {settled}")
         if args.architecture == "causal-lm":
             tokens = ", ".join(f"{v:.0f}" for v in row["tokens_per_second_rounds"])
             print(
@@ -245,6 +267,22 @@ def _report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
                 f" ({_or_dash(phase['fraction_of_best_fixed_split'])} of the phase's best fixed split)"
                 + ("" if settled is None else f", settled in {settled} decision(s)")
             )
+
+
+def settled_at_step(result: RunResult, tolerance: float = 0.02) -> int | None:
+    """The step of the first decision whose split put every rank within ``tolerance`` of its share of the global batch
+    in the run's final split (shares, so a global batch that moved is compared by how it is divided); ``None``
+    without decisions. A run that never moves settles at its first decision."""
+    decisions = [(i["step"], i["next_batch_sizes"]) for i in result.intervals if i["next_batch_sizes"]]
+    if not decisions:
+        return None
+    final = decisions[-1][1]
+    final_shares = [b / sum(final) for b in final]
+    for step, sizes in decisions:
+        shares = [b / sum(sizes) for b in sizes]
+        if len(shares) == len(final_shares) and all(abs(a - f) <= tolerance for a, f in zip(shares, final_shares)):
+            return step
+    return decisions[-1][0]
 
 
 def phase_bounds(changes: list[int], steps: int) -> list[tuple[int, int]]:

@@ -130,9 +130,17 @@ def test_bench_balance_on_a_core_shared_with_a_busy_process_judges_controllers_a
         assert row["fraction_of_best_fixed_split"] == pytest.approx(
             row["samples_per_second_second_half"] / oracle["best_samples_per_second"]
         )
+        # each round against that round's run of the best split, over its second half and over the whole run
+        halves = [a / b for a, b in zip(row["samples_per_second_rounds"], oracle["best_samples_per_second_rounds"])]
+        assert row["fraction_of_best_fixed_split_rounds"] == pytest.approx(halves)
+        wholes = zip(row["samples_per_second_whole_run_rounds"], oracle["best_samples_per_second_whole_run_rounds"])
+        assert row["fraction_of_best_fixed_split_whole_run_rounds"] == pytest.approx([a / b for a, b in wholes])
+        steps = [i["step"] for i in result["runs"][controller][0]]
+        assert row["settled_at_step_rounds"][0] in steps
     # how much slower the busy core makes rank 1, and the split pid finds, are this machine's (a bench's figures)
     assert all(sum(i["batch_sizes"]) == 256 for i in result["runs"]["pid"][0])
     assert "best fixed split" in printed
+    assert "first within 2% of its final split at step" in printed
 
 
 def test_bench_balance_refuses_contention_this_machine_cannot_provide(tmp_path):

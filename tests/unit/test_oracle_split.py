@@ -90,3 +90,23 @@ def test_a_fixed_global_batch_scales_the_split_and_the_learning_rate_by_the_rule
     assert fixed_global_batch((96, 32), 512, 0.1, "adascale") == ((384, 128), pytest.approx(0.2))
     assert fixed_global_batch((96, 32), 128, 0.1, "none") == ((96, 32), 0.1)
     assert fixed_global_batch((127, 1), 16, 0.1, "none")[0] == (15, 1)  # every rank keeps a sample
+
+
+def run_with_decisions(*decisions):
+    """A bench run whose intervals made ``decisions``: ``(step, next sizes)`` each."""
+    from lightning_dynamix.bench.harness import RunResult
+
+    intervals = [{"step": step, "next_batch_sizes": list(sizes)} for step, sizes in decisions]
+    return RunResult({}, 1.0, decisions[-1][0], 0, 1.0, None, 0.0, intervals=intervals)
+
+
+def test_a_controller_settles_at_the_first_decision_within_two_percent_of_its_final_split():
+    from lightning_dynamix.bench.balance import settled_at_step
+
+    # 256 samples: 2% is 5.12 samples of a rank's share; 200:56 is 4 away from the final 204:52, 198:58 six
+    run = run_with_decisions((10, (128, 128)), (20, (198, 58)), (30, (200, 56)), (40, (196, 60)), (50, (204, 52)))
+    assert settled_at_step(run) == 30  # the first time within 2%, whether or not it stayed
+    # shares, not sizes: a global batch that doubled on the final split's shares is settled
+    assert settled_at_step(run_with_decisions((10, (100, 28)), (20, (150, 106)), (30, (200, 56)))) == 10
+    assert settled_at_step(run_with_decisions((10, (128, 128)))) == 10  # a run that never moves
+    assert settled_at_step(run_with_decisions((10, ()))) is None  # no decision
