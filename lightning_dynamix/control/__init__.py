@@ -25,16 +25,12 @@ from lightning_dynamix.control.allocation import (
     split_in_proportion,
 )
 from lightning_dynamix.control.base import BatchController, Decision
-from lightning_dynamix.control.goodput import (
-    GoodputController,
-    equal_time_split,
-    fit_step_time,
-    statistical_efficiency,
-)
+from lightning_dynamix.control.goodput import GoodputController, statistical_efficiency
 from lightning_dynamix.control.lr_scaling import LR_SCALING_RULES, adascale_gain, lr_scale, validate_lr_scaling
 from lightning_dynamix.control.pid import PIDController
 from lightning_dynamix.control.ppo import PPOController
 from lightning_dynamix.control.static import StaticController
+from lightning_dynamix.control.step_times import equal_time_split, fit_step_time
 
 CONTROLLERS: dict[str, type[Any]] = {
     "static": StaticController,

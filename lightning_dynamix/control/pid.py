@@ -24,8 +24,8 @@ from lightning_dynamix.control.allocation import (
     validate_bound_pair,
 )
 from lightning_dynamix.control.base import Decision, regroup_values, validate_previous
-from lightning_dynamix.control.goodput import StepTimes, equal_time_sizes, fit_step_time
 from lightning_dynamix.control.lr_scaling import lr_scale, validate_lr_scaling
+from lightning_dynamix.control.step_times import StepTimes, equal_time_sizes, gate_holds
 from lightning_dynamix.metrics.state import ClusterState, MeanWork
 
 # the smallest share a rank's weight may reach before it is split: keeps weights positive
@@ -36,10 +36,8 @@ _SECANT_MIN_STEP = 0.05
 _MAX_SECANT_GAIN = 3.0
 # the integral (in shares of the global batch) is never allowed to exceed this in magnitude
 _INTEGRAL_LIMIT = 1.0
-# the step-time model: each rank's last _MODEL_WINDOW intervals, fitted once they span sizes at least
-# _MODEL_MIN_SPREAD apart (relative to the largest)
+# the step-time model: each rank's last _MODEL_WINDOW intervals (StepTimes)
 _MODEL_WINDOW = 8
-_MODEL_MIN_SPREAD = 0.1
 
 
 def _capped_bounds(
@@ -100,8 +98,9 @@ class PIDController:
             this fraction of the average replaces the average instead of joining it (a sudden
             slowdown or recovery); > 0, or ``None`` to always average.
         dead_band: keep the current sizes exactly when every rank's relative change
-            ``|b' - b| / b`` would be below this, in ``[0, 1)``. Absorbs measurement noise, so
-            sizes stop changing once balanced.
+            ``|b' - b| / b`` would be below this, in ``[0, 1)``, while the gate cannot judge a move yet (a
+            rank's noise not measured) and the target is not the ranks' fitted models': absorbs what one
+            interval's noise could have made. A deviation the gate measured is followed inside it.
         min_batch_size: smallest size of a rank, samples: one int for all ranks, one per rank, or
             ``None`` (default) for the state's alone. Intersected with ``ClusterState.min_batch_size``
             (the strategy's); 0 lets the controller sit a rank out.
@@ -121,9 +120,10 @@ class PIDController:
             At least ``global_batch_size`` where that is given.
         max_comm_share: the share of the step the all-reduce may take before the global batch grows, in
             ``(0, 1)``; only with ``max_global_batch_size``.
-        noise_gate: move only when the predicted gain of the new sizes exceeds this many standard errors
-            of the measurements' noise (the module docstring), >= 0; ``None`` to move whenever the dead
-            band allows.
+        noise_gate: move the split only on a deviation measured beyond the noise: the slowest rank's excess
+            over the others at the current split beyond this many standard errors and in its last two
+            intervals (or the balance found moved by the CUSUMs), with a predicted gain over 1%
+            (``step_times.gate_holds``), >= 0; ``None`` to move whenever the dead band allows.
         adaptive_gain: use the ranks' measured response to the sizes: each step divided by the response
             to the previous one (the secant gain of the module docstring, at most 3x) and, once fitted,
             the target from each rank's fixed and per-sample cost, so that affine step times converge
@@ -147,7 +147,7 @@ class PIDController:
         max_change: float | None = None,
         lr_scaling: str = "none",
         adaptive_gain: bool = True,
-        noise_gate: float | None = 2.0,
+        noise_gate: float | None = 3.5,
         max_global_batch_size: int | None = None,
         max_comm_share: float = 0.2,
     ) -> None:
@@ -195,7 +195,6 @@ class PIDController:
         self.max_comm_share = require_number("max_comm_share", max_comm_share, 0.0, 1.0, low_open=True, high_open=True)
         self._speeds: list[float] | None = None
         self._speed_sizes: list[int] = []
-        self._speed_counts: list[int] = []  # per rank: the intervals its smoothed speed averages (since a restart)
         self._last_step: dict[str, list[float]] | None = None
         self._integral: list[float] = []
         self._previous_error: list[float] | None = None
@@ -222,7 +221,6 @@ class PIDController:
         measured = [b / t if b > 0 else 0.0 for b, t in zip(current, busy)]
         if self._speeds is None or len(self._speeds) != n or len(self._integral) != n:
             self._speeds = measured
-            self._speed_counts = [1] * n
             self._integral = [0.0] * n
             self._previous_error = None
         else:
@@ -246,12 +244,12 @@ class PIDController:
             self._speeds = [
                 a * old + (1.0 - a) * new if k else new for old, new, k in zip(self._speeds, measured, kept)
             ]
-            counts = self._speed_counts if len(self._speed_counts) == n else [0] * n
-            self._speed_counts = [c + 1 if k else 1 for c, k in zip(counts, kept)]
         self._speed_sizes = list(current)
 
         share = [b / state.global_batch for b in current]
-        modelled = _equal_time(self.step_models(), total, lower, upper) if self.adaptive_gain else None
+        # sizes a rank was measured too slow or too fast at bracket its balance: proposals stay inside
+        inner_low, inner_high = self._step_times.bracketed(lower, upper, total)
+        modelled = _equal_time(self.step_models(), total, inner_low, inner_high) if self.adaptive_gain else None
         if modelled is not None:
             target = [b / sum(modelled) for b in modelled]
         else:
@@ -270,10 +268,10 @@ class PIDController:
             for q, g, e, i, e_prev in zip(share, gains, error, integral, previous)
         ]
         weights = [max(d, _MIN_SHARE) for d in desired]
-        low, high = lower, upper
-        split = proportional_fill(weights, total, lower, upper)
+        low, high = inner_low, inner_high
+        split = proportional_fill(weights, total, low, high)
         if self.max_change is not None:
-            capped_low, capped_high = _capped_bounds(current, lower, upper, self.max_change)
+            capped_low, capped_high = _capped_bounds(current, inner_low, inner_high, self.max_change)
             capped = proportional_fill(weights, total, capped_low, capped_high)
             if abs(sum(capped) - sum(split)) < 0.5:
                 split, low, high = capped, capped_low, capped_high
@@ -284,8 +282,16 @@ class PIDController:
         feasible = sum(current) == sum(proposal) and all(
             lo <= b and (hi is None or b <= hi) for b, lo, hi in zip(current, lower, upper)
         )
-        within_dead_band = all(abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current))
-        if feasible and (within_dead_band or self.within_noise(current, proposal)):
+        # the dead band holds what the noise could have made while the gate cannot judge it yet; a split the ranks'
+        # fitted models give (each rank measured at two sizes) is their answer, not noise, and is not held by it
+        within_dead_band = modelled is None and all(
+            abs(x - b) / max(b, 1) < self.dead_band for x, b in zip(split, current)
+        )
+        # a deviation the gate measured (beyond the noise, in one direction) is followed even inside the dead band
+        gate = self._gate(current, proposal) if feasible else None
+        if gate is False:  # a measured deviation: the sizes left bracket the balance from now on
+            self._step_times.bracket(current, proposal)
+        if feasible and (gate is True or (within_dead_band and gate is None)):
             self._last_step = None
             self._integral = [0.0] * n
             return self._decision(current, state)
@@ -325,15 +331,13 @@ class PIDController:
         return round(target)
 
     def step_models(self) -> list[tuple[float, float]] | None:
-        """Every rank's fitted ``(fixed, per_sample)`` step cost in seconds, ``None`` until every rank has
-        run at two sizes at least 10% apart among its recent intervals (see the module docstring)."""
-        models = []
-        for obs in self._step_times.ranks:
-            sizes = [b for b, _ in obs]
-            if not sizes or max(sizes) - min(sizes) < _MODEL_MIN_SPREAD * max(sizes):
-                return None
-            models.append(fit_step_time(obs))
-        return models or None
+        """Every rank's ``(fixed, per_sample)`` step cost in seconds, anchored at the split the job runs
+        (``StepTimes.models``); ``None`` until every rank has run at two sizes at least 10% apart among its recent
+        intervals (see the module docstring)."""
+        if not self._step_times.has_slopes:
+            return None
+        models = self._step_times.models()
+        return None if any(m is None for m in models) else models  # type: ignore[return-value]
 
     def cost_models(self) -> list[tuple[float, float]] | None:
         """:meth:`step_models` where fitted, else each rank's step proportional to its batch at its smoothed
@@ -356,26 +360,20 @@ class PIDController:
         return None if sizes is None else round_to_total(sizes, total, lower, upper)
 
     def within_noise(self, current: Sequence[int], proposal: Sequence[int]) -> bool:
-        """Whether moving from ``current`` to ``proposal`` (the same global batch) gains no more than the noise
-        gate allows: ``1 - T(proposal) / T(current)`` at most ``noise_gate`` standard errors of the
-        measurements' own noise, ``T`` the slowest rank's step by :meth:`cost_models` (module docstring).
-        ``False`` without a gate, without models or while a rank's noise is not measured yet."""
-        if self.noise_gate is None:
-            return False
-        noise = self._noise(current)
-        now, then = self.predicted_step(current), self.predicted_step(proposal)
-        if noise is None or now is None or then is None or now <= 0:
-            return False
-        return 1.0 - then / now <= self.noise_gate * noise
+        """Whether moving from ``current`` to ``proposal`` (the same global batch) should wait: the slowest rank's
+        excess over the others, measured at ``current`` over the intervals there (``StepTimes.imbalance``), is at
+        most ``noise_gate`` standard errors of what the measurements' noise explains, or it did not keep its
+        direction in the last two intervals (``StepTimes.persists``), or the proposal does not take samples
+        from it (module docstring). A deviation that keeps its direction passes once enough intervals
+        averaged; noise does not. ``False`` without a gate or while a rank's noise is not measured yet."""
+        return self._gate(current, proposal) is True
 
-    def _noise(self, sizes: Sequence[int]) -> float | None:
-        """The relative standard error of the cost models' step at ``sizes`` from the measurements' noise alone."""
-        if len(self._speed_counts) != len(sizes):
+    def _gate(self, current: Sequence[int], proposal: Sequence[int]) -> bool | None:
+        """:meth:`within_noise`, or ``None`` where the gate cannot judge (no gate, a rank's noise not measured
+        yet); ``False`` for a deviation measured beyond the noise that the proposal answers."""
+        if self.noise_gate is None:
             return None
-        if self.step_models() is not None:  # the fitted models: each over its rank's observations
-            return self._step_times.standard_error(sizes)
-        averaged = (1.0 + self.smoothing) / (1.0 - self.smoothing)  # the moving average's intervals, in variance
-        return self._step_times.standard_error(sizes, [max(1.0, min(c, averaged)) for c in self._speed_counts])
+        return gate_holds(self._step_times, current, proposal, self.noise_gate)
 
     def _jumped(self, average: float, measured: float) -> bool:
         """Whether a new speed is so far from the average that the rank itself changed."""
@@ -418,7 +416,6 @@ class PIDController:
         mapping = validate_previous(previous, len(self._speeds))
         self._speeds = regroup_values(self._speeds, mapping)
         self._speed_sizes = [0] * len(mapping)  # no real size: the next measurement replaces every average
-        self._speed_counts = [0] * len(mapping)
         self._integral = [0.0] * len(mapping)
         self._previous_error = None
         self._last_step = None
@@ -433,7 +430,6 @@ class PIDController:
         return {
             "speeds": None if self._speeds is None else list(self._speeds),
             "speed_sizes": list(self._speed_sizes),
-            "speed_counts": list(self._speed_counts),
             "last_step": None if self._last_step is None else {k: list(v) for k, v in self._last_step.items()},
             "integral": list(self._integral),
             "previous_error": None if self._previous_error is None else list(self._previous_error),
@@ -447,8 +443,6 @@ class PIDController:
         speeds = state_dict.get("speeds")
         self._speeds = None if speeds is None else [float(s) for s in speeds]
         self._speed_sizes = [int(b) for b in state_dict.get("speed_sizes", [])]
-        # saved before the noise gate: each smoothed speed counted as one interval (the gate at its widest)
-        self._speed_counts = [int(c) for c in state_dict.get("speed_counts", [1] * len(self._speed_sizes))]
         step = state_dict.get("last_step")
         self._last_step = None if step is None else {k: [float(x) for x in v] for k, v in step.items()}
         self._integral = [float(i) for i in state_dict.get("integral", [])]

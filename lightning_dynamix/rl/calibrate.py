@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lightning_dynamix._stats import median_or
-from lightning_dynamix.control.goodput import fit_step_time
+from lightning_dynamix.control.step_times import fit_step_time
 from lightning_dynamix.rl.simulator import ClusterSimulator, Scenario
 
 Series = Sequence[tuple[int, float]]

@@ -54,9 +54,10 @@ class PPOController:
             split is predicted to make the step longer by more than this fraction, or cannot be
             judged yet (the confidence fallback of the module docstring), >= 0; ``None`` always
             follows the policy.
-        noise_gate: keep the sizes where a move at the same global batch gains no more than this many
-            standard errors of the measurements' noise (the balancer's proposals are gated alike; the
-            module docstring), >= 0; ``None`` moves wherever the policy and the balancer say.
+        noise_gate: keep the sizes where a move at the same global batch answers no deviation measured
+            beyond this many standard errors of the measurements' noise (pid's gate; the balancer's proposals
+            are gated alike; the module docstring), >= 0; ``None`` moves wherever the policy and the
+            balancer say.
 
     Raises:
         FileNotFoundError: when the policy file does not exist.
@@ -81,7 +82,7 @@ class PPOController:
         finetune_kwargs: dict[str, Any] | None = None,
         keep_global_batch: bool = False,
         fallback_tolerance: float | None = 0.0,
-        noise_gate: float | None = 2.0,
+        noise_gate: float | None = 3.5,
     ) -> None:
         require_bool("deterministic", deterministic)
         require_bool("finetune", finetune)

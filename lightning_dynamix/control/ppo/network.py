@@ -53,7 +53,7 @@ _PADDING_LOGIT = -30.0
 def balancer(
     min_batch_size: int | Sequence[int] | None = None,
     max_batch_size: int | Sequence[int] | None = None,
-    noise_gate: float | None = 2.0,
+    noise_gate: float | None = 3.5,
 ) -> PIDController:
     """The balancer whose proposals a policy adjusts: :class:`PIDController` at its defaults, within the bounds.
 
