@@ -327,7 +327,9 @@ class StepTimes:
             if slope is None:
                 per_sample = level / size
             elif not self._slope_is_firm(r, slope):
-                per_sample = max(slope, level / (_MAX_FIXED_SHARE_GAIN * size))
+                # right after a change, what the ranks' steps do with their batch is least known: no more than the
+                # proportional move (one that undershoots where a fixed cost was there)
+                per_sample = max(slope, level / (1.0 if self.settling else _MAX_FIXED_SHARE_GAIN) / size)
             else:
                 per_sample = slope
             fixed = level - per_sample * size

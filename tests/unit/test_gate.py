@@ -129,3 +129,21 @@ def test_noise_alone_around_the_balance_point_moves_the_split_no_more_than_the_g
         history = run(controller, (170, 85), PER_SAMPLE, 60, random.Random(seed))
         moves += sum(1 for before, after in pairwise(history[30:]) if before != after)
     assert moves <= MOVES_BEFORE[name]
+
+
+def test_right_after_a_change_a_flat_slope_moves_no_further_than_the_proportional_model():
+    from lightning_dynamix.control.step_times import StepTimes
+
+    # rank 1 on a core shared with a busy process: settled at 315:197, its step then 25 ms at 197 samples and at
+    # 166 alike (its time barely grew with its batch); a slope from those two intervals says almost nothing
+    times = StepTimes(8)
+    for k in range(12):  # settled, with some noise measured
+        times.observe([315, 197], [0.0193 * (1 + 0.02 * (-1) ** k), 0.0180 * (1 - 0.02 * (-1) ** k)])
+    times.observe([315, 197], [0.0193, 0.0250])  # a suspect, then confirmed: rank 1 changed
+    times.observe([315, 197], [0.0193, 0.0251])
+    assert times.changed == [False, True]
+    times.observe([346, 166], [0.0172, 0.0250])  # the first move after it
+    assert times.settling
+    fixed, per_sample = times.models()[1]  # type: ignore[misc]
+    assert per_sample == pytest.approx(0.0250 / 166)  # proportional: the least move to balance, never an overshoot
+    assert fixed == 0.0
