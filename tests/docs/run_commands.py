@@ -53,6 +53,8 @@ LONG: dict[str, str] = {
     ".venv/bin/dynamix bench": "benchmarks run for minutes; tests/cli/ runs short ones",
     ".venv/bin/dynamix train-policy --preset default": "about 35 minutes; the docs train a tiny policy",
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
+    ".venv/bin/dynamix simulate --nodes 32 --scenarios 16": "16 held-out scenarios of 32 nodes, 35 s each; the docs"
+    " simulate a few",
     "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
     ".venv/bin/python scripts/server_start.py": "a timing of rounds; tests/unit/test_server_launcher.py runs one",
     ".venv/bin/python scripts/arrivals_cost.py": "a timing; tests/distributed/test_fsdp2.py gathers arrivals",
