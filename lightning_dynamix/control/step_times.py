@@ -38,8 +38,8 @@ _MIN_PAIRS = 4
 # the start) are not gated
 _AFTER_CHANGE = 2
 # the CUSUMs of each rank's change of excess (slack, clip and limit in standard deviations; the slack also widened
-# by the baseline's own error): noise alone passes the limit about once in thousands of intervals, a shift of four
-# standard deviations in 2-3
+# by the baseline's own error): noise alone passes the limit about once in 8,000 intervals of two ranks, a shift of
+# three standard deviations in about 4, of four in about 3 (scripts/cusum_rates.py)
 _CUSUM_SLACK = 0.5
 _CUSUM_CLIP = 4.0
 _CUSUM_LIMIT = 7.0
@@ -485,8 +485,8 @@ def gate_holds(times: StepTimes, current: Sequence[int], proposal: Sequence[int]
     where they cannot tell yet (a rank's noise not measured).
 
     A deviation is shown in one of two ways (``docs/internals.md``, the noise gate): the CUSUMs of the ranks'
-    excess over each interval's mean found that the balance moved (:attr:`StepTimes.deviation`: a consistent
-    excess of three standard deviations is found in about 3 intervals, noise about once in 500), or over the
+    excess over each interval's mean found that the balance moved (:attr:`StepTimes.deviation`: a shift of three
+    standard deviations of a rank's excess is found in about 4 intervals, noise alone about once in 8,000), or over the
     intervals at the split the slowest rank's excess is beyond ``noise_gate`` standard errors and held its
     direction in the last two (:meth:`StepTimes.imbalance`, :meth:`StepTimes.persists`): a small bias that
     keeps its sign passes as the intervals accumulate.
