@@ -276,13 +276,13 @@ def settled_at_step(result: RunResult, tolerance: float = 0.02) -> int | None:
     decisions = [(i["step"], i["next_batch_sizes"]) for i in result.intervals if i["next_batch_sizes"]]
     if not decisions:
         return None
-    final = decisions[-1][1]
-    final_shares = [b / sum(final) for b in final]
-    for step, sizes in decisions:
+    final = [b / sum(decisions[-1][1]) for b in decisions[-1][1]]
+
+    def close(sizes: list[int]) -> bool:
         shares = [b / sum(sizes) for b in sizes]
-        if len(shares) == len(final_shares) and all(abs(a - f) <= tolerance for a, f in zip(shares, final_shares)):
-            return step
-    return decisions[-1][0]
+        return len(shares) == len(final) and all(abs(a - f) <= tolerance for a, f in zip(shares, final))
+
+    return next(step for step, sizes in decisions if close(sizes))  # the last decision is close to itself
 
 
 def phase_bounds(changes: list[int], steps: int) -> list[tuple[int, int]]:

@@ -103,7 +103,7 @@ class StepTimes:
         self._slopes: list[float | None] = []
         # per rank: the root of the summed squared distances of its sizes from their mean, and its mean time, in the
         # fit its slope came from: with its noise, the slope's standard error
-        self._firm: list[tuple[float, float]] = []
+        self._slope_fit: list[tuple[float, float]] = []
         # per rank: the squared relative differences of its last _PAIR_LIMIT pairs of successive intervals at one
         # size: its noise, which a level that moved once barely inflates (one pair in many)
         self._pairs: list[list[float]] = []
@@ -136,7 +136,7 @@ class StepTimes:
             self.ranks = [[] for _ in sizes]
             self._off = [0.0] * len(sizes)
             self._slopes = [None] * len(sizes)
-            self._firm = [(0.0, 0.0)] * len(sizes)
+            self._slope_fit = [(0.0, 0.0)] * len(sizes)
             self._pairs = [[] for _ in sizes]
             self._suspect_pair = [False] * len(sizes)
             self._split = ()
@@ -185,7 +185,7 @@ class StepTimes:
             if max(observed) - min(observed) >= _MODEL_MIN_SPREAD * max(observed):
                 self._slopes[r] = fit_step_time(obs)[1]
                 mean_size = sum(observed) / len(observed)
-                self._firm[r] = (  # what the slope's error is judged by: the sizes' spread, the mean time
+                self._slope_fit[r] = (  # what the slope's error is judged by: the sizes' spread, the mean time
                     math.sqrt(sum((b - mean_size) ** 2 for b in observed)),
                     sum(t for _, t in obs) / len(obs),
                 )
@@ -234,7 +234,7 @@ class StepTimes:
         """Whether rank ``r``'s fitted per-sample cost stands at least two standard errors above 0, its error from
         the rank's noise and the spread of the sizes it was fitted over; ``False`` while its noise is unknown."""
         variance = self._rank_scatter(r)
-        spread, mean_time = self._firm[r] if r < len(self._firm) else (0.0, 0.0)
+        spread, mean_time = self._slope_fit[r] if r < len(self._slope_fit) else (0.0, 0.0)
         if variance is None or spread <= 0:  # nothing to judge it by: not trusted beyond the bound
             return False
         return slope > 2.0 * math.sqrt(variance) * mean_time / spread
@@ -322,14 +322,13 @@ class StepTimes:
                 continue
             size = obs[-1][0]
             level = sum(run) / len(run) if run else obs[-1][1]
-            # a slope fitted from a few noisy intervals at nearby sizes can come out far too flat, and a move by
-            # it overshoots by as much: it is taken as at least a third of the proportional one (a fixed cost of
-            # at most 2/3 of the step, as pid's secant gain assumes)
+            # a slope fitted from a few noisy intervals at nearby sizes can come out far too flat, and a move by it
+            # overshoots by as much: one not two standard errors above 0 is taken as at least a third of the
+            # proportional one (a fixed cost of at most 2/3 of the step, as pid's secant gain assumes), and right
+            # after a change, when least is known, as the proportional one (a move that undershoots, never over)
             if slope is None:
                 per_sample = level / size
             elif not self._slope_is_firm(r, slope):
-                # right after a change, what the ranks' steps do with their batch is least known: no more than the
-                # proportional move (one that undershoots where a fixed cost was there)
                 per_sample = max(slope, level / (1.0 if self.settling else _MAX_FIXED_SHARE_GAIN) / size)
             else:
                 per_sample = slope
@@ -419,10 +418,10 @@ class StepTimes:
     def regroup(self, mapping: Sequence[int | None]) -> None:
         """New rank ``i`` keeps old rank ``mapping[i]``'s observations (``None``: a new machine, none); the run at
         the old split ends."""
-        self.ranks = [list(self.ranks[p]) if p is not None else [] for p in mapping]
-        self._slopes = [self._slopes[p] if p is not None and p < len(self._slopes) else None for p in mapping]
-        self._firm = [self._firm[p] if p is not None and p < len(self._firm) else (0.0, 0.0) for p in mapping]
-        self._pairs = [list(self._pairs[p]) if p is not None and p < len(self._pairs) else [] for p in mapping]
+        self.ranks = [list(obs) for obs in _carried(self.ranks, mapping, [])]
+        self._slopes = _carried(self._slopes, mapping, None)
+        self._slope_fit = _carried(self._slope_fit, mapping, (0.0, 0.0))
+        self._pairs = [list(pairs) for pairs in _carried(self._pairs, mapping, [])]
         self._suspect_pair = [False] * len(mapping)
         self._off = [0.0] * len(mapping)
         self.changed = [False] * len(mapping)
@@ -435,7 +434,7 @@ class StepTimes:
         return {
             "observations": [[[b, t] for b, t in obs] for obs in self.ranks],
             "slopes": list(self._slopes),
-            "firm": [list(f) for f in self._firm],
+            "slope_fit": [list(f) for f in self._slope_fit],
             "pairs": [list(p) for p in self._pairs],
             "split": list(self._split),
             "run": [list(t) for t in self._run],
@@ -454,8 +453,8 @@ class StepTimes:
                 if observed and max(observed) - min(observed) >= _MODEL_MIN_SPREAD * max(observed):
                     slopes[r] = fit_step_time(obs)[1]
         self._slopes = [None if c is None else float(c) for c in slopes]
-        firm = saved.get("firm") if isinstance(saved, dict) else None
-        self._firm = [(float(a), float(b)) for a, b in firm] if firm is not None else [(0.0, 0.0)] * len(self.ranks)
+        fit = saved.get("slope_fit") if isinstance(saved, dict) else None
+        self._slope_fit = [(float(a), float(b)) for a, b in fit] if fit is not None else [(0.0, 0.0)] * len(self.ranks)
         pairs = saved.get("pairs") if isinstance(saved, dict) else None
         self._pairs = [[float(x) for x in p] for p in pairs] if pairs is not None else [[] for _ in self.ranks]
         self._suspect_pair = [False] * len(self.ranks)
@@ -465,6 +464,11 @@ class StepTimes:
         self.deviation = None
         self._off = [0.0] * len(self.ranks)
         self.changed = [False] * len(self.ranks)
+
+
+def _carried(values: Sequence[Any], mapping: Sequence[int | None], default: Any) -> list[Any]:
+    """Per new rank, old rank ``mapping[i]``'s value (``default`` for a new machine, or one never observed)."""
+    return [values[p] if p is not None and p < len(values) else default for p in mapping]
 
 
 def _relative_variance(observations: Sequence[tuple[int, float]]) -> float | None:
