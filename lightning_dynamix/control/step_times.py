@@ -429,41 +429,53 @@ class StepTimes:
         self._forget_bracket()
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's ``[size, time]`` observations and per-sample cost, and the intervals at the current split
-        (whether the last observation was a suspect, and the CUSUMs, are not saved)."""
+        """Everything the next interval is judged by, as plain values: every rank's ``[size, time]`` observations,
+        per-sample cost and its fit, noise pairs and pending suspect; the intervals at the current split, the
+        CUSUMs, the brackets and the intervals since a change. A restored one decides as the saved one would."""
         return {
             "observations": [[[b, t] for b, t in obs] for obs in self.ranks],
             "slopes": list(self._slopes),
             "slope_fit": [list(f) for f in self._slope_fit],
             "pairs": [list(p) for p in self._pairs],
+            "suspect_pair": list(self._suspect_pair),
+            "off": list(self._off),
             "split": list(self._split),
             "run": [list(t) for t in self._run],
+            "drift": [list(d) for d in self._drift],
+            "since_change": self._since_change,
+            "bracket": {"above": list(self._above), "below": list(self._below), "total": self._bracket_total},
         }
 
     def load_state_dict(self, saved: dict[str, Any] | Sequence[Sequence[Sequence[float]]]) -> None:
-        """Restore :meth:`state_dict`'s (or, saved before the bias test, the observations alone: the per-sample
-        costs are refitted, and the run starts afresh)."""
-        observations = saved.get("observations", []) if isinstance(saved, dict) else saved
-        self.ranks = [[(int(b), float(t)) for b, t in obs] for obs in observations]
-        slopes = saved.get("slopes") if isinstance(saved, dict) else None
+        """Restore :meth:`state_dict`'s. Saved before the gate (the observations alone, a list): the per-sample
+        costs are refitted, and the rest starts afresh."""
+        state: dict[str, Any] = saved if isinstance(saved, dict) else {"observations": saved}
+        self.ranks = [[(int(b), float(t)) for b, t in obs] for obs in state.get("observations", [])]
+        n = len(self.ranks)
+        slopes = state.get("slopes")
         if slopes is None:
-            slopes = [None] * len(self.ranks)
+            slopes = [None] * n
             for r, obs in enumerate(self.ranks):
                 observed = [b for b, _ in obs]
                 if observed and max(observed) - min(observed) >= _MODEL_MIN_SPREAD * max(observed):
                     slopes[r] = fit_step_time(obs)[1]
         self._slopes = [None if c is None else float(c) for c in slopes]
-        fit = saved.get("slope_fit") if isinstance(saved, dict) else None
-        self._slope_fit = [(float(a), float(b)) for a, b in fit] if fit is not None else [(0.0, 0.0)] * len(self.ranks)
-        pairs = saved.get("pairs") if isinstance(saved, dict) else None
-        self._pairs = [[float(x) for x in p] for p in pairs] if pairs is not None else [[] for _ in self.ranks]
-        self._suspect_pair = [False] * len(self.ranks)
-        self._split = tuple(int(b) for b in saved.get("split", [])) if isinstance(saved, dict) else ()
-        self._run = [tuple(float(x) for x in t) for t in saved.get("run", [])] if isinstance(saved, dict) else []
-        self._drift = [(0.0, 0.0, 0, 0)] * len(self.ranks)
+        self._slope_fit = [(float(a), float(m)) for a, m in state.get("slope_fit", [(0.0, 0.0)] * n)]
+        self._pairs = [[float(x) for x in p] for p in state.get("pairs", [[] for _ in range(n)])]
+        self._suspect_pair = [bool(x) for x in state.get("suspect_pair", [False] * n)]
+        self._off = [float(x) for x in state.get("off", [0.0] * n)]
+        self._split = tuple(int(b) for b in state.get("split", []))
+        self._run = [tuple(float(x) for x in t) for t in state.get("run", [])]
+        self._drift = [(float(u), float(d), int(us), int(ds)) for u, d, us, ds in state.get("drift", [])] or [
+            (0.0, 0.0, 0, 0)
+        ] * n
+        self._since_change = int(state.get("since_change", _AFTER_CHANGE))
+        bracket = state.get("bracket", {})
+        self._above = [None if b is None else int(b) for b in bracket.get("above", [])]
+        self._below = [None if b is None else int(b) for b in bracket.get("below", [])]
+        self._bracket_total = int(bracket.get("total", 0))
         self.deviation = None
-        self._off = [0.0] * len(self.ranks)
-        self.changed = [False] * len(self.ranks)
+        self.changed = [False] * n
 
 
 def _carried(values: Sequence[Any], mapping: Sequence[int | None], default: Any) -> list[Any]:

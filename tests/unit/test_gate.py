@@ -147,3 +147,24 @@ def test_right_after_a_change_a_flat_slope_moves_no_further_than_the_proportiona
     fixed, per_sample = times.models()[1]  # type: ignore[misc]
     assert per_sample == pytest.approx(0.0250 / 166)  # proportional: the least move to balance, never an overshoot
     assert fixed == 0.0
+
+
+@controllers
+def test_a_controller_restored_mid_run_decides_as_the_one_that_kept_running(name):
+    import json
+
+    # what the gate has gathered (the intervals at the split, the CUSUMs, a suspect interval, the brackets) is
+    # saved with the controller: a job resumed from a checkpoint moves its split as the uninterrupted one would
+    slower = (PER_SAMPLE[0], PER_SAMPLE[1] * 1.2)
+    for seed in range(5):
+        original, sizes, rng = settled(name, seed)
+        sizes = run(original, sizes, slower, 3, rng)[-1]  # the balance moved: deviations being measured
+        for _ in range(6):
+            saved = json.loads(json.dumps(original.state_dict()))
+            restored = CONTROLLERS[name]()
+            restored.load_state_dict(saved)
+            clock = rng.getstate()
+            ahead = run(original, sizes, slower, 3, rng)
+            rng.setstate(clock)
+            assert run(restored, sizes, slower, 3, rng) == ahead, (seed, ahead)
+            sizes = ahead[-1]
