@@ -585,6 +585,7 @@ def interval_metrics(record: IntervalRecord, log_per_rank: bool = True) -> dict[
         "dynamix/throughput": state.throughput,
         "dynamix/ideal_throughput": state.ideal_throughput,
         "dynamix/throughput_to_ideal": state.throughput / state.ideal_throughput,
+        "dynamix/network_share": state.network_share,
         "dynamix/step_time": state.step_time,
         "dynamix/gradient_noise_scale": state.gradient_noise_scale,
         "dynamix/loss": state.loss,

@@ -1,5 +1,6 @@
-"""``dynamix bench balance``: achieved throughput against the ideal sum of the ranks' speeds, and against the best
-fixed split measured in the same invocation (``--oracle``), per controller, in interleaved rounds."""
+"""``dynamix bench balance``: achieved throughput against the ideal (the ranks finishing together, the all-reduce's
+exposed time included; its share of the ideal step beside it), and against the best fixed split measured in the
+same invocation (``--oracle``), per controller, in interleaved rounds."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import math
 import statistics
 from typing import Any
 
+from lightning_dynamix._stats import median_or
 from lightning_dynamix.bench import harness
 from lightning_dynamix.bench.arguments import splits
 from lightning_dynamix.bench.cluster_runs import (
@@ -151,12 +153,16 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             # in the run's final split
             "settled_at_step_rounds": [settled_at_step(r) for r in results],
             "throughput_to_ideal_second_half": statistics.median(_ratio_after(r, half) for r in results),
+            # the all-reduce's share of the ideal step (what no split removes)
+            "network_share_second_half": median_or(
+                (_median_after(r, half, "network_share") for r in results), math.nan
+            ),
             # the language model's: token positions per second (padding included), against their ideal, and padding
-            "tokens_per_second_rounds": [_work_after(r, half, "work_throughput") for r in results],
+            "tokens_per_second_rounds": [_median_after(r, half, "work_throughput") for r in results],
             "tokens_to_ideal_second_half": statistics.median(
                 _ratio_after(r, half, "work_throughput", "ideal_work_throughput") for r in results
             ),
-            "padding_second_half": statistics.median(_work_after(r, half, "padding") for r in results),
+            "padding_second_half": statistics.median(_median_after(r, half, "padding") for r in results),
             "final_batch_sizes": [r.intervals[-1]["next_batch_sizes"] if r.intervals else None for r in results],
             # each rank's sizes over the second half, per round: how far the controller kept moving them
             "size_spread_second_half": [size_spread(r, half) for r in results],
@@ -212,11 +218,17 @@ def _report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f"{links_header(args)}"
             f" controller {controller}, {args.steps} steps, decisions every {args.interval}, first round"
         )
-        print(f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}")
+        print(
+            f"{'step':>5}  {'batch sizes':>16}  {'compute per rank (ms)':>24}  {'throughput / ideal':>18}"
+            f"  {'all-reduce / ideal step':>23}"
+        )
         for i in rounds[0]:
             compute = ", ".join(f"{1e3 * c:.1f}" for c in i["compute_time"])
             sizes = ",".join(map(str, i["batch_sizes"]))
-            print(f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}")
+            print(
+                f"{i['step']:>5}  {sizes:>16}  {compute:>24}  {i['throughput'] / i['ideal_throughput']:>18.3f}"
+                f"  {i['network_share']:>23.3f}"
+            )
     oracle = summary["oracle"]
     if oracle is not None:
         rounds = ", ".join(f"{v:.1f}" for v in oracle["best_samples_per_second_rounds"])
@@ -226,13 +238,16 @@ def _report(args: argparse.Namespace, summary: dict[str, Any]) -> None:
             f" measurements); run again in each round:"
             f" {rounds} samples/s"
         )
-    print(f"{'controller':>10}  {'samples/s, second half (rounds)':>40}  {'of best fixed split':>19}  {'/ ideal':>7}")
+    print(
+        f"{'controller':>10}  {'samples/s, second half (rounds)':>40}  {'of best fixed split':>19}  {'/ ideal':>7}"
+        f"  {'all-reduce / ideal step':>23}"
+    )
     for controller, row in summary["controllers"].items():
         rates = ", ".join(f"{v:.0f}" for v in row["samples_per_second_rounds"])
         fraction = row["fraction_of_best_fixed_split"]
         print(
             f"{controller:>10}  {rates:>40}  {'-' if fraction is None else f'{fraction:.3f}':>19}"
-            f"  {row['throughput_to_ideal_second_half']:>7.3f}"
+            f"  {row['throughput_to_ideal_second_half']:>7.3f}  {row['network_share_second_half']:>23.3f}"
         )
         if row["fraction_of_best_fixed_split_rounds"] is not None:
             halves = ", ".join(f"{v:.3f}" for v in row["fraction_of_best_fixed_split_rounds"])
@@ -351,8 +366,8 @@ def _or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _work_after(result: RunResult, step: int, key: str) -> float:
-    """The median of the intervals' ``key`` after ``step`` (NaN where the work was not counted)."""
+def _median_after(result: RunResult, step: int, key: str) -> float:
+    """The median of the intervals' ``key`` after ``step`` (NaN where it was not measured: the work, the network)."""
     values = [i[key] for i in result.intervals if i["step"] > step and math.isfinite(i.get(key, math.nan))]
     return statistics.median(values) if values else math.nan
 

@@ -135,8 +135,11 @@ class RunResult:
 
     Attributes:
         throughput_to_ideal: median over the measured intervals of achieved samples/s divided by
-            the ideal ``sum_r s_r`` measured in the same interval.
+            the ideal ``sum_r s_r`` measured in the same interval (the exposed all-reduce included:
+            :attr:`~lightning_dynamix.metrics.ClusterState.ideal_throughput`).
         work_to_ideal: the same in work (``causal-lm``: token positions per second); NaN where it was not counted.
+        network_share: median over the measured intervals of the all-reduce's share of the ideal step
+            (:attr:`~lightning_dynamix.metrics.ClusterState.network_share`).
         time_to_target: training seconds until validation accuracy first reached the target
             (``None`` if it never did).
         final_accuracy: validation accuracy at the end.
@@ -155,6 +158,7 @@ class RunResult:
     intervals: list[dict[str, Any]] = field(default_factory=list)
     work_to_ideal: float = math.nan
     accuracy: list[dict[str, float]] = field(default_factory=list)
+    network_share: float = math.nan
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -311,6 +315,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
                 "least_sync_wait": [w.least_sync_wait for w in state.workers],
                 "throughput": state.throughput,
                 "ideal_throughput": state.ideal_throughput,
+                "network_share": state.network_share,
                 "work": [w.work for w in state.workers],
                 "padding": state.padding,
                 # work per second (tokens), achieved and ideal: each rank's speed in samples times its work per sample
@@ -326,6 +331,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
     work_ratios = [
         i["work_throughput"] / i["ideal_work_throughput"] for i in intervals if i["ideal_work_throughput"] > 0
     ]
+    shares = [i["network_share"] for i in intervals if math.isfinite(i["network_share"])]
     if config.target_loss is not None:
         target = next((p for p in clock.points if p.get("loss", math.inf) <= config.target_loss), None)
     else:
@@ -341,6 +347,7 @@ def run(config: RunConfig, on_every_rank: bool = False) -> RunResult | None:
         intervals=intervals,
         accuracy=clock.points,
         work_to_ideal=statistics.median(work_ratios) if work_ratios else math.nan,
+        network_share=statistics.median(shares) if shares else math.nan,
     )
 
 

@@ -11,6 +11,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 from lightning_dynamix.bench.harness import RunResult
+from lightning_dynamix.metrics.state import IDEAL_LABEL
 
 
 def plot_runs(results: Mapping[str, RunResult], path: Path, title: str = "") -> Path:
@@ -29,7 +30,7 @@ def plot_runs(results: Mapping[str, RunResult], path: Path, title: str = "") -> 
         achieved = [i["throughput"] for i in intervals]
         ideal = [i["ideal_throughput"] for i in intervals]
         axes[2][column].plot(seconds, achieved, marker=".", label="achieved")
-        axes[2][column].plot(seconds, ideal, linestyle="--", label="ideal: sum of rank speeds")
+        axes[2][column].plot(seconds, ideal, linestyle="--", label=IDEAL_LABEL)
         axes[0][column].set_title(f"{name}: throughput {result.throughput_to_ideal:.2f} of ideal")
         axes[0][column].set_ylabel("batch size (samples)")
         axes[1][column].set_ylabel("compute time per step (ms)")

@@ -172,6 +172,7 @@ def _runs(args: argparse.Namespace) -> dict[str, Any] | None:
             "median_train_seconds": median_or([r.train_seconds for r in runs]),
             "median_throughput_to_ideal": median_or([r.throughput_to_ideal for r in runs]),
             "median_work_to_ideal": median_or([r.work_to_ideal for r in runs]),
+            "median_network_share": median_or([r.network_share for r in runs]),
         }
     best_fixed = None
     if args.oracle_global_batches:  # the fixed global batch that reached the target first, in every run
@@ -239,6 +240,7 @@ def _report(args: argparse.Namespace, output: dict[str, Any]) -> None:
         + (f"  {'time / best fixed':>17}" if timed else "")
         + f"  {'throughput / ideal':>18}"
         + (f"  {'tokens/s / ideal':>16}" if args.architecture == "causal-lm" else "")
+        + f"  {'all-reduce / ideal step':>23}"
     )
     for controller, row in output["controllers"].items():
         fraction = row.get("fraction_of_best_fixed_split")
@@ -251,6 +253,7 @@ def _report(args: argparse.Namespace, output: dict[str, Any]) -> None:
             + (f"  {_cell(of_time, '.3f'):>17}" if timed else "")
             + f"  {_cell(row['median_throughput_to_ideal'], '.3f'):>18}"
             + (f"  {_cell(row['median_work_to_ideal'], '.3f'):>16}" if args.architecture == "causal-lm" else "")
+            + f"  {_cell(row['median_network_share'], '.3f'):>23}"
         )
 
 

@@ -71,7 +71,8 @@ def run_demo(args: argparse.Namespace) -> None:
         f" {args.epochs} epochs, initial batch {args.batch_size} per rank"
     )
     print(_row("", names))
-    print(_row("throughput / ideal sum_r s_r", [f"{results[n].throughput_to_ideal:.2f}" for n in names]))
+    print(_row("throughput / ideal", [f"{results[n].throughput_to_ideal:.2f}" for n in names]))
+    print(_row("all-reduce / ideal step", [f"{results[n].network_share:.2f}" for n in names]))
     print(_row("samples / s", [f"{results[n].samples / results[n].train_seconds:.0f}" for n in names]))
     tta = [results[n].time_to_target for n in names]
     print(_row(f"time to {args.target_accuracy:.0%} accuracy (s)", [f"{t:.1f}" if t else "not reached" for t in tta]))
@@ -92,6 +93,7 @@ def _final_sizes(result: RunResult) -> list[int]:
 def _summary(result: RunResult) -> dict[str, Any]:
     return {
         "throughput_to_ideal": result.throughput_to_ideal,
+        "network_share": result.network_share,
         "samples_per_s": result.samples / result.train_seconds,
         "time_to_target": result.time_to_target,
         "train_seconds": result.train_seconds,

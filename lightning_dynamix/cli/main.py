@@ -60,7 +60,9 @@ BENCHMARKS = (
         "hook", "the weighted all-reduce hook against DDP's built-in reduction, interleaved per iteration",
         hook.add_arguments, hook.run,
     ),
-    Command("balance", "achieved throughput against the ideal sum of rank speeds", balance.add_arguments, balance.run),
+    Command(
+        "balance", "achieved throughput against the ideal and the best fixed split", balance.add_arguments, balance.run
+    ),
     Command("tta", "time to target accuracy and final accuracy per controller", tta.add_arguments, tta.run),
     Command(
         "policy", "PPOController's decision time at several world sizes", policy_bench.add_arguments, policy_bench.run

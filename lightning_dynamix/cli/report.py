@@ -151,6 +151,8 @@ def _plot_ranks(axis: Any, log: RunLog, name: str, scale: float = 1.0, style: st
 
 def plot_report(log: RunLog, path: Path, title: str = "") -> Path:
     """Six panels against the optimizer step; panels without data say so."""
+    from lightning_dynamix.metrics.state import IDEAL_LABEL
+
     figure, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
     sizes, times, throughput, wait, noise, lr = axes.flat
     for rank in sorted(log.ranks):
@@ -165,7 +167,7 @@ def plot_report(log: RunLog, path: Path, title: str = "") -> Path:
     _plot_ranks(times, log, "compute_time", 1e3, style="--", label=" compute")
     times.set_ylabel("ms per step")
     times.set_title("step time (solid) and own compute (dashed)")
-    lines = (("throughput", "-", "achieved"), ("ideal_throughput", "--", "ideal: sum of rank speeds"))
+    lines = (("throughput", "-", "achieved"), ("ideal_throughput", "--", IDEAL_LABEL))
     for name, style, label in lines:
         points = log.series.get(name, [])
         if points:
@@ -213,6 +215,7 @@ def summarise(log: RunLog) -> dict[str, Any]:
     changes = sum(1 for a, b in itertools.pairwise(complete) if a != b)
     ratios = log.values("throughput_to_ideal")
     half = ratios[len(ratios) // 2 :]
+    shares = [v for v in log.values("network_share") if math.isfinite(v)]
     noise = log.values("gradient_noise_scale")
     lr = log.values("lr")
     step_times = log.values("step_time")
@@ -227,6 +230,7 @@ def summarise(log: RunLog) -> dict[str, Any]:
         "size_changes": changes,
         "throughput_to_ideal_median": statistics.median(ratios) if ratios else None,
         "throughput_to_ideal_second_half": statistics.median(half) if half else None,
+        "network_share_median": statistics.median(shares) if shares else None,
         "median_step_time_ms": 1e3 * statistics.median(step_times) if step_times else None,
         "last_gradient_noise_scale": noise[-1] if noise else None,
         "first_lr": lr[0] if lr else None,
@@ -246,6 +250,7 @@ def _text(summary: dict[str, Any]) -> str:
         f" ({summary['size_changes']} changes)",
         f"  throughput / ideal: median {number(summary['throughput_to_ideal_median'])},"
         f" second half {number(summary['throughput_to_ideal_second_half'])};"
+        f" all-reduce / ideal step: median {number(summary['network_share_median'])};"
         f" median step {number(summary['median_step_time_ms'])} ms",
         f"  learning rate {number(summary['first_lr'])} -> {number(summary['last_lr'])};"
         f" gradient noise scale at the end {number(summary['last_gradient_noise_scale'])}",

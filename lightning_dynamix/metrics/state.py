@@ -112,6 +112,9 @@ class WorkerMetrics:
         return tuple(f.name for f in fields(cls) if f.name not in ("rank", "batch_size"))
 
 
+# what the plots call ClusterState.ideal_throughput
+IDEAL_LABEL = "ideal: ranks finishing together, all-reduce included"
+
 # names of the columns of ClusterState.observation(); the order is part of the policy file format
 LOCAL_FEATURES: tuple[str, ...] = (
     "log2_batch_share",  # log2(b_r / mean b)
@@ -342,8 +345,30 @@ class ClusterState:
 
     @cached_property
     def ideal_throughput(self) -> float:
-        """``sum_r s_r`` (:attr:`rank_speeds`): what the job would achieve if no rank ever waited for another."""
+        """``sum_r s_r`` (:attr:`rank_speeds`): what the job would achieve if no rank ever waited for another.
+
+        The ideal of this global batch on these links: each rank's own work plus the all-reduce's exposed time
+        (:attr:`transfer_time`: what the last rank to arrive waits, so the part of the all-reduce that overlaps
+        the backward pass is not counted where the run overlaps it). Throughput against it is what the split
+        loses; :attr:`network_share` is how much of the ideal step is the all-reduce, which no split removes.
+        """
         return sum(self.rank_speeds)
+
+    @cached_property
+    def network_share(self) -> float:
+        """The all-reduce's share of the ideal step, in [0, 1]: :attr:`transfer_time` over ``global_batch /
+        ideal_throughput``; NaN where the ideal is not known.
+
+        Near 0 where the network is fast beside the compute, near 1 where a link bounds every step. Beside
+        ``throughput / ideal`` it tells the two losses apart: a job at 0.97 of its ideal with a share of 0.96 is
+        balanced and link-bound, and only fewer all-reduces per sample (a larger global batch) or a faster link
+        speeds it up. ``throughput / ideal * (1 - network_share)`` is, with ranks balanced, the job's throughput
+        against its ranks' compute alone (the all-reduce free), which means the same on any link.
+        """
+        ideal = self.ideal_throughput
+        if not (math.isfinite(ideal) and ideal > 0):
+            return NAN
+        return min(1.0, self.transfer_time * ideal / self.global_batch)
 
     @cached_property
     def bandwidth(self) -> float:

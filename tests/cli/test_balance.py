@@ -23,6 +23,7 @@ def test_demo_compares_static_batches_with_the_callback_and_writes_a_plot(tmp_pa
     # docs/benchmarks give it; here only that it is reported
     for result in summary.values():
         assert result["throughput_to_ideal"] > 0
+        assert 0 <= result["network_share"] <= 1  # measured on loopback: how small is this machine's
         assert 0 <= result["final_accuracy"] <= 1
     out = tmp_path / "dynamix_runs" / "demo"
     assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -34,6 +35,8 @@ def test_demo_compares_static_batches_with_the_callback_and_writes_a_plot(tmp_pa
     assert report[0]["last_batch_sizes"] == runs["pid"]["intervals"][-1]["batch_sizes"]
     assert report[0]["intervals"] == len(runs["pid"]["intervals"])
     assert report[1]["last_batch_sizes"] == [64, 64]
+    shares = [i["network_share"] for i in runs["pid"]["intervals"]]
+    assert report[0]["network_share_median"] == pytest.approx(statistics.median(shares))
     for controller in ("pid", "static"):
         assert (out / "logs" / controller / "dynamix_report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -76,6 +79,8 @@ def test_bench_balance_reports_throughput_against_the_ideal_and_settling(tmp_pat
     # here, that the bench reports them
     assert "settling_intervals" in pid
     assert pid["throughput_to_ideal_second_half"] > 0
+    later_shares = [i["network_share"] for i in intervals if i["step"] > 20]
+    assert pid["network_share_second_half"] == statistics.median(later_shares)
     # how far pid kept moving each rank's size over the second half (steps after 20), from the intervals
     later = [i["batch_sizes"] for i in intervals if i["step"] > 20]
     (spread,) = pid["size_spread_second_half"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -178,6 +179,25 @@ def test_bench_elastic_on_hosts_loses_a_node_and_takes_it_back_with_no_step_lost
     assert masters
     assert all(master.startswith("198.18.0.") for master in masters)  # not 127.0.0.1
     assert leftovers(prefix=f"dx{pid}n") == []  # its hosts are gone (another test's may live beside)
+
+
+def test_bench_balance_on_a_slow_link_reads_a_balanced_job_as_link_bound(hosts_available, tmp_path):
+    # two ranks of equal speed, the second host behind 20 Mbit/s: each step's all-reduce of the model's 307 KB
+    # takes over 0.12 s on that link (its rate, whatever the machine), the compute of 32 samples a few ms. Equal
+    # batches are balanced, so near their ideal; the all-reduce's share of that ideal step says why it is slow
+    out = tmp_path / "link.json"
+    dynamix_with_pid(
+        "bench", "balance", "--controllers", "static", "--speeds", "1,1", "--links", "0,20", "--steps", "20",
+        "--interval", "5", "--batch-size", "32", "--hidden", "256", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    (intervals,) = result["runs"]["static"]
+    for interval in intervals:
+        step = 64 / interval["ideal_throughput"]  # the ideal step of the global batch
+        assert interval["network_share"] == pytest.approx(min(interval["sync_wait"]) / step)
+        assert interval["network_share"] > 0.5
+    half = [i["network_share"] for i in intervals if i["step"] > 10]
+    assert result["controllers"]["static"]["network_share_second_half"] == statistics.median(half)
 
 
 @pytest.mark.parametrize(

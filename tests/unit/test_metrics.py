@@ -200,6 +200,26 @@ def test_the_transfer_every_rank_pays_counts_in_the_ideal_but_waiting_for_a_stra
     assert unknown.transfer_time == pytest.approx(0.22)
 
 
+def test_the_network_share_tells_a_link_bound_job_from_a_balanced_one_at_the_same_ratio_to_the_ideal():
+    # the same 3 ms of compute per rank: on a fast link the all-reduce is 0.5 ms of the step, on a slow one 82 ms;
+    # both are balanced, so both run at their ideal, and only the share says which one a larger batch would speed up
+    fast = ClusterState((worker(0, 64, 0.003, step=0.0035), worker(1, 64, 0.003, step=0.0035)))
+    slow = ClusterState((worker(0, 64, 0.003, step=0.085), worker(1, 64, 0.003, step=0.085)))
+    for state in (fast, slow):
+        assert state.throughput / state.ideal_throughput == pytest.approx(1.0)
+    assert fast.network_share == pytest.approx(0.5 / 3.5)
+    assert slow.network_share == pytest.approx(82 / 85)
+    # with the all-reduce free, the slow-link job would run at its compute alone: ratio * (1 - share) says so
+    compute_alone = 128 / 0.003
+    assert slow.throughput / compute_alone == pytest.approx(1 - slow.network_share)
+    # waiting for a straggler is not the network: rank 1 three times slower, 20 ms of all-reduce
+    straggler = ClusterState((worker(0, 32, 0.1, step=0.32), worker(1, 32, 0.3, step=0.32)))
+    assert straggler.network_share == pytest.approx(0.02 / (64 / (32 / 0.12 + 32 / 0.32)))  # 0.115 of the ideal step
+    assert straggler.network_share < 0.2  # not the 0.69 of its step rank 0 spent waiting
+    # nothing measured: not known
+    assert math.isnan(ClusterState((WorkerMetrics(rank=0, batch_size=32),)).network_share)
+
+
 def test_observation_is_finite_scale_free_and_has_the_documented_shape():
     state = ClusterState(
         (worker(0, 32, 0.1, bandwidth=1e9), worker(1, 96, 0.3)),
