@@ -41,6 +41,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-envs", type=int, default=None, help="simulated jobs stepped together (preset's: 8)")
     parser.add_argument("--batch-size", type=int, default=None, help="PPO minibatch size (preset's: 512)")
     parser.add_argument(
+        "--learning-rate", type=float, default=None, help="Adam's learning rate (preset's: 3e-4; lower to fine-tune)"
+    )
+    parser.add_argument("--clip-range", type=float, default=None, help="PPO's clip range (preset's: 0.2)")
+    parser.add_argument(
         "--subprocesses", action="store_true", help="step the simulated jobs in their own processes (many cores)"
     )
     parser.add_argument("--device", default=None, help="where PPO's network trains: cpu (default) or cuda")
@@ -61,6 +65,8 @@ def run_train(args: argparse.Namespace) -> None:
         "seed": args.seed,
         "n_envs": args.n_envs,
         "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "clip_range": args.clip_range,
         "device": args.device,
         "subprocesses": True if args.subprocesses else None,
     }

@@ -110,3 +110,23 @@ def test_a_policy_file_of_another_shape_cannot_be_continued(tmp_path):
         train_policy(preset("tiny", hidden=32), tmp_path / "second.safetensors", evaluate=False, init=first)
     with pytest.raises(ValueError, match="`device` must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
         preset("tiny", device="gpu")
+
+
+def test_the_command_line_fine_tunes_at_the_learning_rate_and_clip_range_it_is_given(tmp_path):
+    from tests.cli.commands import dynamix_here
+
+    first, _ = train_policy(preset("tiny"), tmp_path / "first.safetensors", evaluate=False)
+    second = tmp_path / "second.safetensors"
+    dynamix_here(
+        "train-policy", "--preset", "tiny", "--init", str(first), "--timesteps", "128", "--learning-rate", "1e-12",
+        "--clip-range", "0.05", "--no-evaluate", "--no-progress", "--output", str(second), cwd=tmp_path,
+    )  # fmt: skip
+    config = load_policy(second).training["config"]
+    assert (config["learning_rate"], config["clip_range"]) == (1e-12, 0.05)
+    before, after = load_policy(first).network.state_dict(), load_policy(second).network.state_dict()
+    for name, tensor in before.items():  # at that rate the weights stay where they started
+        torch.testing.assert_close(after[name], tensor, rtol=0, atol=1e-6)
+    for option, value, name in (("--learning-rate", "0", "learning_rate"), ("--clip-range", "-0.1", "clip_range")):
+        refused = dynamix_here("train-policy", "--preset", "tiny", option, value, cwd=tmp_path, fails=True)
+        assert f"`{name}`" in refused
+        assert value in refused
