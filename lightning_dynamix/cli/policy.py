@@ -148,7 +148,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_simulate(args: argparse.Namespace) -> None:
-    from lightning_dynamix.rl.evaluate import compare, controller_factory, summarize
+    from lightning_dynamix.rl.evaluate import compare, controller_factory, paired, summarize
     from lightning_dynamix.rl.simulator import ScenarioSpace
 
     if args.scenarios < 1:
@@ -202,6 +202,14 @@ def run_simulate(args: argparse.Namespace) -> None:
                 f" {values['reached_target']:>8.0%} {values['median_final_accuracy']:>15.3f}"
                 f" {values['median_throughput_vs_static']:>9.2f} x"
             )
+        if "ppo" in summary:  # the same scenarios run by both: steadier than the medians' difference
+            for other in (name for name in ("pid", "goodput") if name in summary):
+                pair = paired(results, "ppo", other)
+                report["by_nodes"][str(nodes)].setdefault("paired", {})[f"ppo/{other}"] = pair
+                print(
+                    f"  ppo / {other} per scenario: median {pair['median_ratio']:.3f}, faster on {pair['faster']},"
+                    f" slower on {pair['slower']} (sign test p = {pair['sign_test_p']:.2g})"
+                )
     (args.output_dir / "simulate.json").write_text(json.dumps(report, indent=1, default=_json_default))
     plot = _plot(all_results, args.output_dir / "simulate.png")
     print(f"results in {args.output_dir / 'simulate.json'}; plot {plot}")

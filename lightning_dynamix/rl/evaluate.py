@@ -219,3 +219,36 @@ def summarize(results: Sequence[dict[str, RunResult]], baseline: str = "static")
             ),
         }
     return summary
+
+
+def paired(results: Sequence[dict[str, RunResult]], name: str, other: str) -> dict[str, float]:
+    """``name`` against ``other`` scenario by scenario: the median of their times to target, and how often each
+    was faster.
+
+    A median over a few scenarios moves by several percent with the scenarios drawn; the same scenarios run by
+    both controllers tell more. A run that never reached the target is slower than one that did (two that
+    never did are level). ``sign_test_p``: the two-sided probability of so lopsided a count of faster and
+    slower scenarios if each were as likely.
+
+    Returns:
+        ``{"median_ratio", "faster", "slower", "level", "sign_test_p"}``.
+    """
+    ratios, faster, slower = [], 0, 0
+    for per_scenario in results:
+        mine, theirs = per_scenario[name].time_to_target, per_scenario[other].time_to_target
+        if math.isfinite(mine) and math.isfinite(theirs):
+            ratios.append(mine / theirs)
+        elif math.isfinite(mine) or math.isfinite(theirs):
+            ratios.append(0.0 if math.isfinite(mine) else math.inf)
+        faster += mine < theirs
+        slower += mine > theirs
+    decided = faster + slower
+    low = min(faster, slower)
+    tail = sum(math.comb(decided, k) for k in range(low + 1)) / 2**decided if decided else 1.0
+    return {
+        "median_ratio": statistics.median(ratios) if ratios else math.nan,
+        "faster": faster,
+        "slower": slower,
+        "level": len(results) - decided,
+        "sign_test_p": min(1.0, 2 * tail),
+    }

@@ -55,6 +55,8 @@ LONG: dict[str, str] = {
     ".venv/bin/dynamix simulate --nodes 4,8,16,32,64": "many held-out scenarios; the docs simulate a few",
     ".venv/bin/dynamix simulate --nodes 32 --scenarios 16": "16 held-out scenarios of 32 nodes, 35 s each; the docs"
     " simulate a few",
+    ".venv/bin/dynamix simulate --nodes 32 --scenarios 64": "64 held-out scenarios of 32 nodes, about 2 minutes each;"
+    " the docs simulate a few",
     "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
     ".venv/bin/python scripts/server_start.py": "a timing of rounds; tests/unit/test_server_launcher.py runs one",
     ".venv/bin/python scripts/arrivals_cost.py": "a timing; tests/distributed/test_fsdp2.py gathers arrivals",
@@ -346,7 +348,7 @@ CHECKS: dict[str, Callable[[str], None]] = {
     "dynamix report dynamix_runs/offload": _global_batch_kept(r"batch sizes \[\d+, \d+\] -> \[(\d+, \d+)\]", 256),
     "dynamix report dynamix_runs/demo/logs": _contains("logs/pid/metrics.csv", "logs/static/metrics.csv"),
     "dynamix simulate --nodes 8 --scenarios 2 --controllers static,pid,goodput,ppo": _contains(
-        "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png"
+        "8 nodes, 2 held-out scenarios", "goodput", "ppo", "simulate.png", "ppo / goodput per scenario: median"
     ),
     "dynamix calibrate dynamix_runs/cli --output dynamix_runs/cli/scenario.json": _contains(
         "calibrated on", "rank 1: compute", "replay at the run's own sizes", "scenario written to"
