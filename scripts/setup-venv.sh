@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs lightning-dynamix with its test tools and its optional torchft into it.
+# Creates .venv and installs lightning-dynamix with its test tools and its optional torchft, transformers and
+# litdata into it.
 # torch comes first: torch==2.13.0 (CPU build where one is provided), or the torch already
 # installed for $PYTHON, reused through --system-site-packages, so no installer ever pulls a second
 # (CUDA) build. Re-running is cheap: it installs again only when pyproject.toml changed.
@@ -43,7 +44,9 @@ if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -m pip download --disable-pip-version-check --quiet --no-deps -d "$wheels" "torch==2.13.0"
     install "$wheels"/torch-*.whl
   fi
-  install -e ".[dev,ft,transformers]"
+  install -e ".[dev,ft,transformers,streaming]"
+  # LitData without its dependencies: they are the `streaming` extra, less torchvision (see pyproject.toml)
+  install --no-deps "litdata==0.2.76"
   rm -f "$VENV"/.installed-*
   touch "$stamp"
 fi

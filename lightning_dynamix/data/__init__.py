@@ -1,5 +1,6 @@
 """Data: per-rank batch sampling over one global schedule, and built-in synthetic workloads (classification, CTR)."""
 
+from lightning_dynamix.data.chunks import ChunkLayout
 from lightning_dynamix.data.ctr import (
     CRITEO_LIKE_TABLE_SIZES,
     CTRDataModule,
@@ -13,6 +14,7 @@ from lightning_dynamix.data.items import ItemCounter, LabelTokens
 from lightning_dynamix.data.loader import EmptyBatch, HeterogeneousDataLoader
 from lightning_dynamix.data.sampler import EpochPermutation, HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import EpochSchedule, final_step_sizes, validate_batch_sizes
+from lightning_dynamix.data.streaming import StreamingView
 from lightning_dynamix.data.synthetic import SyntheticClassificationDataset
 from lightning_dynamix.data.workloads import (
     DEFAULT_TARGET_ACCURACY,
@@ -28,6 +30,7 @@ __all__ = [
     "CTRSample",
     "CTRSamples",
     "CTRSpec",
+    "ChunkLayout",
     "ClassificationDataModule",
     "ClassificationTask",
     "EmptyBatch",
@@ -38,6 +41,7 @@ __all__ = [
     "HeterogeneousDataLoader",
     "ItemCounter",
     "LabelTokens",
+    "StreamingView",
     "SyntheticCTRDataset",
     "SyntheticClassificationDataset",
     "collate_ctr",

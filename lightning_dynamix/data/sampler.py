@@ -20,8 +20,10 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, Sampler
 
 from lightning_dynamix._checks import require_int, require_optional_int
+from lightning_dynamix.data.chunks import ChunkLayout, validate_chunk_sizes
 from lightning_dynamix.data.language import grouped_by_length, sample_lengths
 from lightning_dynamix.data.schedule import BatchSizes, EpochSchedule, split_exactly, validate_batch_sizes
+from lightning_dynamix.data.streaming import can_index, chunk_sizes_of
 
 _STATE_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # 1: before resuming into another world size (no cut_world_size, schedules from step 0)
@@ -107,8 +109,15 @@ def _dataset_length(data_source: object) -> int:
             raise ValueError(f"`data_source` as a number of samples must be >= 1, got {data_source}")
         return data_source
     if isinstance(data_source, IterableDataset):
+        name = type(data_source).__name__
+        if can_index(data_source):
+            raise ValueError(
+                f"`data_source` is an iterable-style dataset ({name}) that can be indexed, as LitData's and"
+                f" MosaicML's StreamingDataset can: pass lightning_dynamix.data.StreamingView({name}(...)), a map-style"
+                " view that keeps its chunks."
+            )
         raise ValueError(
-            f"`data_source` is an iterable-style dataset ({type(data_source).__name__}); per-rank batch"
+            f"`data_source` is an iterable-style dataset ({name}); per-rank batch"
             " sizes need a map-style dataset with __len__ and __getitem__ (torch.utils.data.Dataset)."
         )
     if not isinstance(data_source, Sized):
@@ -163,6 +172,10 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             stays random across groups; see docs/transformers.md for what it costs the order's randomness.
         lengths: every sample's length for ``group_by_length``; default: the dataset's
             (:func:`~lightning_dynamix.data.language.sample_lengths`).
+        chunk_sizes: samples per chunk of a dataset stored in chunks (a streaming dataset's files, in its index
+            order): each rank then reads whole chunks of its own (:class:`~lightning_dynamix.data.chunks.ChunkLayout`)
+            instead of slices of one shuffled order; the sizes, the schedule and the guarantees are the same.
+            Default: the dataset's own (:func:`~lightning_dynamix.data.streaming.chunk_sizes_of`), else none.
 
     Steps are counted within an epoch from 0, like Lightning's ``batch_idx``. Call
     :meth:`set_epoch` between epochs (Lightning does it through ``sampler.set_epoch``); a new
@@ -186,8 +199,18 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         least_batch_size: int = 1,
         group_by_length: int | None = None,
         lengths: Sequence[int] | None = None,
+        chunk_sizes: Sequence[int] | None = None,
     ) -> None:
         num_samples = _dataset_length(data_source)
+        if chunk_sizes is None and not isinstance(data_source, int):
+            chunk_sizes = chunk_sizes_of(data_source)
+        if chunk_sizes is not None:
+            chunk_sizes = validate_chunk_sizes(chunk_sizes, num_samples)
+            if group_by_length is not None:
+                raise ValueError(
+                    "`group_by_length` and `chunk_sizes` cannot be combined: a rank reads whole chunks in their own"
+                    " order, which batching by length would reorder across chunks"
+                )
         require_optional_int("group_by_length", group_by_length, 2)
         if group_by_length is not None and lengths is None:
             if isinstance(data_source, int):
@@ -218,6 +241,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             group_by_length=group_by_length,
             lengths=lengths,
         )
+        self.layout = None if chunk_sizes is None else ChunkLayout(chunk_sizes, shuffle=self.shuffle, seed=seed)
+        """Which samples fill each rank's batches where the dataset is stored in chunks; ``None``: slices of
+        ``sampler``'s order."""
         self.cut_world_size = self.world_size
         """The world size whose cut of every epoch this job keeps: the one it started with (see ``schedule``)."""
         self.least_batch_size = least_batch_size
@@ -255,6 +281,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._pass_start = self._produced = self._consumed = 0
         self._pass_started = False
         self._resplit = (0, 0)
+        if self.layout is not None:
+            self.layout.set_epoch(self.sampler.epoch)
         self._schedule_changed()
 
     def _schedule_changed(self) -> None:
@@ -373,6 +401,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._schedule.change(step, sizes)
         self._next_epoch_sizes = None
         self._resplit = (step, max(self._produced, self._resplit[1]))
+        if self.layout is not None:
+            self.layout.resplit(step, self._produced)
         self._schedule_changed()
 
     def was_resplit(self, step: int) -> bool:
@@ -387,10 +417,14 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
     def placeholder_index(self, step: int) -> int:
         """The first sample index of ``step``'s global batch (whichever rank trains it), under the schedule as it is
         now: what a rank without samples runs at weight 0 where it must still take part in the step's collectives."""
+        if self.layout is not None:
+            return next(indices[0] for indices in self.layout.step(self.schedule, step) if indices)
         cursor, _ = self.schedule.step_at(step)
         return self.sampler.indices(cursor, cursor + 1)[0]
 
     def _indices(self, schedule: EpochSchedule, step: int) -> list[int]:
+        if self.layout is not None:
+            return list(self.layout.step(schedule, step)[self.rank])
         cursor, sizes = schedule.step_at(step)
         start = cursor + sum(sizes[: self.rank])
         return self.sampler.indices(start, start + sizes[self.rank])
@@ -459,6 +493,11 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             "segments": [[start, list(sizes)] for start, sizes in self._schedule.segments],
             "next_epoch_batch_sizes": None if self._next_epoch_sizes is None else list(self._next_epoch_sizes),
             "step": step,
+            "num_chunks": None if self.layout is None else self.layout.num_chunks,
+            # the chunk pieces the ranks held at `step` and the chunks not handed out yet
+            "chunk_layout": None
+            if self.layout is None or step == len(self._schedule)
+            else self.layout.state_at(self._schedule, step),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], split: Callable[[int], Sequence[int]] | None = None) -> None:
@@ -485,6 +524,12 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"cannot resume: the saved sampler state has format version {version!r}; this version of"
                 f" lightning-dynamix reads versions {list(_READABLE_VERSIONS)}"
+            )
+        num_chunks = None if self.layout is None else self.layout.num_chunks
+        if state_dict.get("num_chunks") != num_chunks:
+            raise ValueError(
+                f"cannot resume: the saved sampler read {state_dict.get('num_chunks')!r} chunks (None: a dataset not"
+                f" in chunks), this one {num_chunks!r}; resume with the same dataset and chunk_sizes"
             )
         for key in ("num_samples", "shuffle", "seed", "drop_last", "group_by_length"):
             if state_dict.get(key) != getattr(self, key):
@@ -530,6 +575,8 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._pass_start = self._produced = step
         self._consumed = 0
         self._pass_started = False
+        if self.layout is not None:
+            self.layout.set_epoch(self.sampler.epoch, start=state_dict.get("chunk_layout"), at_step=step)
         self._schedule_changed()
         if step == len(schedule):
             self.set_epoch(self.epoch + 1)

@@ -1,0 +1,87 @@
+"""Streaming datasets that can be indexed, read through the global schedule like map-style data.
+
+LitData's and MosaicML's ``StreamingDataset`` are ``IterableDataset`` subclasses whose own iteration gives every
+rank an equal share, but both also index their samples (``dataset[i]``) and know how many there are. A
+:class:`StreamingView` exposes exactly that as a map-style dataset, so
+:class:`~lightning_dynamix.data.sampler.HeterogeneousBatchSampler` cuts it into per-rank batches that change at
+any step, every sample once per epoch, resumable on another world size; with the dataset's chunk sizes (read
+from it by :func:`chunk_sizes_of`) each rank reads whole chunks of its own
+(:class:`~lightning_dynamix.data.chunks.ChunkLayout`). Neither library is imported here: a dataset is recognised
+by what it offers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from lightning_dynamix.data.chunks import validate_chunk_sizes
+
+
+def can_index(dataset: object) -> bool:
+    """Whether ``dataset`` has a length and its own ``__getitem__`` (torch's ``Dataset`` base only raises)."""
+    getitem = getattr(type(dataset), "__getitem__", None)
+    return hasattr(dataset, "__len__") and getitem is not None and getitem is not Dataset.__getitem__
+
+
+def chunk_sizes_of(dataset: object) -> tuple[int, ...] | None:
+    """Samples per chunk of a streaming dataset, in its index order; ``None`` for a dataset not stored in chunks.
+
+    Reads a :class:`StreamingView`'s ``chunk_sizes``, LitData's ``region_of_interest`` (each chunk file's
+    ``(start, end)`` in the dataset's order, after any subsampling) and MosaicML's ``samples_per_shard``.
+    """
+    if isinstance(dataset, StreamingView):
+        return dataset.chunk_sizes
+    regions = getattr(dataset, "region_of_interest", None)
+    if isinstance(regions, Sequence) and regions and all(isinstance(r, Sequence) and len(r) == 2 for r in regions):
+        return tuple(int(end) - int(start) for start, end in regions)
+    shards = getattr(dataset, "samples_per_shard", None)
+    if shards is not None and hasattr(shards, "__len__") and len(shards) > 0:
+        return tuple(int(n) for n in shards)
+    return None
+
+
+class StreamingView(Dataset):
+    """A map-style view of a dataset that can be indexed but is iterable-style (a streaming dataset).
+
+    Args:
+        dataset: anything with ``__len__`` and ``__getitem__``: LitData's or MosaicML's ``StreamingDataset``
+            (read from a local directory or a remote one, as the library does), or your own.
+        chunk_sizes: samples per chunk in the dataset's index order; default: read from the dataset
+            (:func:`chunk_sizes_of`), ``None`` where it is not stored in chunks.
+
+    Raises:
+        ValueError: naming the dataset, for one that cannot be indexed (use a plain iterable dataset's shards
+            instead), that is empty, or whose chunk sizes do not sum to its length.
+    """
+
+    def __init__(self, dataset: Any, chunk_sizes: Sequence[int] | None = None) -> None:
+        name = type(dataset).__name__
+        if isinstance(dataset, StreamingView):
+            raise ValueError("`dataset` is already a StreamingView; pass it to the sampler as it is")
+        if not can_index(dataset):
+            raise ValueError(
+                f"`dataset` ({name}) has no length or cannot be indexed (no __getitem__): a map-style view needs"
+                " both; read a plain iterable dataset by its shards instead"
+            )
+        length = len(dataset)
+        if length < 1:
+            raise ValueError(f"`dataset` ({name}) holds no samples")
+        self.dataset = dataset
+        if chunk_sizes is None:
+            found = chunk_sizes_of(dataset)
+            self.chunk_sizes = None if found is None else validate_chunk_sizes(found, length, f"{name}'s chunks")
+        else:
+            self.chunk_sizes = validate_chunk_sizes(chunk_sizes, length)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __repr__(self) -> str:
+        chunks = "not in chunks" if self.chunk_sizes is None else f"{len(self.chunk_sizes)} chunks"
+        return f"StreamingView({type(self.dataset).__name__}, {len(self)} samples, {chunks})"
