@@ -183,6 +183,20 @@ BatchNormBase: type = _batch_norm_base()
 """torch's base class of every BatchNorm layer (1d, 2d, 3d, lazy, ``SyncBatchNorm``)."""
 
 
+def _iterable_placeholder_sampler() -> type:
+    try:
+        from torch.utils.data.dataloader import _InfiniteConstantSampler
+    except ImportError as error:
+        raise _missing(
+            "torch", "`torch.utils.data.dataloader._InfiniteConstantSampler`", "rebuild a DataLoader over a stream"
+        ) from error
+    return _InfiniteConstantSampler
+
+
+IterablePlaceholderSampler: type = _iterable_placeholder_sampler()
+"""The sampler torch gives a DataLoader over an iterable-style dataset: it yields nothing but ``None``."""
+
+
 def ddp_has_rebuilt_buckets(model: torch.nn.parallel.DistributedDataParallel) -> bool:
     """Whether DDP rebuilt its gradient buckets (a collective it makes once, in its second forward)."""
     return bool(_attribute(model, "_has_rebuilt_buckets", "torch", "know when a rank may leave the all-reduce"))

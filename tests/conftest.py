@@ -122,3 +122,21 @@ def hosts_available():
         check_hosts()
     except HostsUnavailable as error:
         pytest.skip(str(error))
+
+
+LITDATA_SAMPLES, LITDATA_CHUNK = 150, 16  # 9 chunk files of 16 samples and one of 6
+
+
+@pytest.fixture(scope="session")
+def litdata_dir(tmp_path_factory):
+    """The jobs' ``IndexedDataset(150)`` (samples ``(index, x, y)``) written by ``litdata.optimize`` into a local
+    directory, in a Python of its own (it switches its process's multiprocessing start method to spawn)."""
+    from tests.distributed.conftest import JOBS
+
+    out = tmp_path_factory.mktemp("streaming") / "litdata"
+    done = subprocess.run(
+        [sys.executable, "write_litdata.py", str(out), str(LITDATA_SAMPLES), str(LITDATA_CHUNK)],
+        cwd=JOBS, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out

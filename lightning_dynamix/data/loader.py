@@ -23,15 +23,16 @@ from torch.utils.data import (
     DataLoader,
     Dataset,
     DistributedSampler,
-    IterableDataset,
     RandomSampler,
     SequentialSampler,
     default_collate,
 )
 
+from lightning_dynamix._compat import IterablePlaceholderSampler
 from lightning_dynamix.data.items import ItemCounter, count_of, positions_of
 from lightning_dynamix.data.sampler import HeterogeneousBatchSampler
 from lightning_dynamix.data.schedule import BatchSizes, check_least_batch_size, validate_batch_sizes
+from lightning_dynamix.data.streaming import map_style
 
 if TYPE_CHECKING:
     from lightning_dynamix.metrics.timers import StepClock
@@ -155,7 +156,7 @@ class HeterogeneousDataLoader(DataLoader):
             kwargs["prefetch_factor"] = dataloader.prefetch_factor
         if hasattr(dataloader, "in_order"):
             kwargs["in_order"] = dataloader.in_order
-        return cls(dataloader.dataset, batch_sampler=batch_sampler, **kwargs)
+        return cls(map_style(dataloader.dataset), batch_sampler=batch_sampler, **kwargs)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         self._current_step = -1
@@ -266,6 +267,12 @@ def iterate_ahead(batches: Iterable[Any], depth: int, on_read: Callable[[Any, in
 _PLAIN_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler)
 
 
+def _is_streaming_loader(dataloader: DataLoader) -> bool:
+    """LitData's ``StreamingDataLoader``: a DataLoader whose own state and chunk assignment the rebuilt one replaces."""
+    cls = type(dataloader)
+    return cls.__name__ == "StreamingDataLoader" and cls.__module__.startswith("litdata.")
+
+
 def new_sampler_for(
     dataloader: DataLoader,
     batch_sizes: Sequence[int] | None,
@@ -294,18 +301,15 @@ def new_sampler_for(
             to do instead), for anything else, for sizes that are not valid, or for a dataset smaller
             than one global batch.
     """
-    dataset = dataloader.dataset
-    if isinstance(dataset, IterableDataset):
-        raise ValueError(
-            f"The training dataset is iterable-style ({type(dataset).__name__}); {owner} needs a map-style"
-            " dataset (with __len__ and __getitem__) to give ranks different batch sizes."
-        )
-    if type(dataloader) is not DataLoader:
+    dataset = map_style(dataloader.dataset, owner)
+    if type(dataloader) is not DataLoader and not _is_streaming_loader(dataloader):
         raise ValueError(
             f"The training DataLoader is a {type(dataloader).__name__}; {owner} rebuilds plain torch"
-            f" DataLoaders only. {instead}"
+            f" DataLoaders (and LitData's StreamingDataLoader) only. {instead}"
         )
-    if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in _PLAIN_SAMPLERS:
+    # over an iterable-style dataset torch's sampler is a placeholder that yields nothing but None
+    plain = (*_PLAIN_SAMPLERS, IterablePlaceholderSampler) if dataset is not dataloader.dataset else _PLAIN_SAMPLERS
+    if type(dataloader.batch_sampler) is not BatchSampler or type(dataloader.sampler) not in plain:
         raise ValueError(
             "The training DataLoader has a custom sampler or batch sampler"
             f" ({type(dataloader.sampler).__name__}, {type(dataloader.batch_sampler).__name__}). {owner} draws"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from lightning_dynamix.data.chunks import validate_chunk_sizes
 
@@ -26,6 +26,31 @@ def can_index(dataset: object) -> bool:
     return hasattr(dataset, "__len__") and getitem is not None and getitem is not Dataset.__getitem__
 
 
+def total_length(dataset: Any) -> int:
+    """Every sample of ``dataset``, whichever rank asks: in a distributed job LitData's and MosaicML's ``len()`` is
+    this rank's equal share, their ``__getitem__`` takes an index of the whole dataset.
+
+    LitData: the sum of its chunks' ``region_of_interest``; MosaicML: ``num_samples``; any other: ``len()``.
+    """
+    if isinstance(dataset, StreamingView):
+        return len(dataset)
+    regions = _regions(dataset)
+    if regions is not None:
+        return sum(regions)
+    total = getattr(dataset, "num_samples", None)
+    if getattr(dataset, "samples_per_shard", None) is not None and isinstance(total, int):
+        return total
+    return len(dataset)
+
+
+def _regions(dataset: Any) -> tuple[int, ...] | None:
+    """LitData's chunk sizes: each chunk file's ``(start, end)`` in the dataset's order, after any subsampling."""
+    regions = getattr(dataset, "region_of_interest", None)
+    if isinstance(regions, Sequence) and regions and all(isinstance(r, Sequence) and len(r) == 2 for r in regions):
+        return tuple(int(end) - int(start) for start, end in regions)
+    return None
+
+
 def chunk_sizes_of(dataset: object) -> tuple[int, ...] | None:
     """Samples per chunk of a streaming dataset, in its index order; ``None`` for a dataset not stored in chunks.
 
@@ -34,13 +59,31 @@ def chunk_sizes_of(dataset: object) -> tuple[int, ...] | None:
     """
     if isinstance(dataset, StreamingView):
         return dataset.chunk_sizes
-    regions = getattr(dataset, "region_of_interest", None)
-    if isinstance(regions, Sequence) and regions and all(isinstance(r, Sequence) and len(r) == 2 for r in regions):
-        return tuple(int(end) - int(start) for start, end in regions)
+    regions = _regions(dataset)
+    if regions is not None:
+        return regions
     shards = getattr(dataset, "samples_per_shard", None)
     if shards is not None and hasattr(shards, "__len__") and len(shards) > 0:
         return tuple(int(n) for n in shards)
     return None
+
+
+def map_style(dataset: Any, owner: str = "lightning-dynamix") -> Any:
+    """``dataset`` itself where it is map-style, a :class:`StreamingView` of it where it is iterable-style but can
+    be indexed (LitData's, MosaicML's ``StreamingDataset``).
+
+    Raises:
+        ValueError: naming ``owner`` and the dataset, for an iterable-style dataset that cannot be indexed.
+    """
+    if not isinstance(dataset, IterableDataset) or isinstance(dataset, StreamingView):
+        return dataset
+    if can_index(dataset):
+        return StreamingView(dataset)
+    raise ValueError(
+        f"The training dataset is iterable-style ({type(dataset).__name__}) and cannot be indexed; {owner} needs a"
+        " map-style dataset (with __len__ and __getitem__), or a streaming dataset that can be indexed (LitData's"
+        " or MosaicML's StreamingDataset), to give ranks different batch sizes."
+    )
 
 
 class StreamingView(Dataset):
@@ -66,10 +109,11 @@ class StreamingView(Dataset):
                 f"`dataset` ({name}) has no length or cannot be indexed (no __getitem__): a map-style view needs"
                 " both; read a plain iterable dataset by its shards instead"
             )
-        length = len(dataset)
+        length = total_length(dataset)
         if length < 1:
             raise ValueError(f"`dataset` ({name}) holds no samples")
         self.dataset = dataset
+        self._length = length
         if chunk_sizes is None:
             found = chunk_sizes_of(dataset)
             self.chunk_sizes = None if found is None else validate_chunk_sizes(found, length, f"{name}'s chunks")
@@ -77,7 +121,8 @@ class StreamingView(Dataset):
             self.chunk_sizes = validate_chunk_sizes(chunk_sizes, length)
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        """All the dataset's samples (not one rank's share)."""
+        return self._length
 
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
