@@ -60,6 +60,8 @@ LONG: dict[str, str] = {
     "python -m lightning_dynamix.serve": "a server waits for trainers on other machines; tests/distributed runs it",
     ".venv/bin/python scripts/server_start.py": "a timing of rounds; tests/unit/test_server_launcher.py runs one",
     ".venv/bin/python scripts/arrivals_cost.py": "a timing; tests/distributed/test_fsdp2.py gathers arrivals",
+    ".venv/bin/python scripts/chunks_opened.py": "writes a LitData dataset of 20,000 samples (12 s); tests/unit/"
+    "test_chunks.py and test_streaming_litdata.py count chunks",
     "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_balance.py reports a short one",
 }
 
