@@ -85,6 +85,13 @@ def test_uneven_changing_sizes_train_exactly_like_one_process(
     assert {(6, 2), (1, 9), (5, 5), (2, 3)} <= set(sizes)
 
 
+def test_a_litdata_streaming_dataset_trains_exactly_like_one_process(tmp_path, job_helpers, pools, litdata_dir):
+    # the same samples as a LitData dataset, a plain DataLoader over its StreamingDataset with two workers
+    launch(pools, tmp_path, "sgd", "2", "1", f"litdata={litdata_dir}")
+    _, steps = trained_like_one_process(tmp_path, job_helpers, "sgd", accumulate=1)
+    assert {(6, 2), (1, 9), (5, 5), (2, 3)} <= set(batch_sizes(steps))
+
+
 def test_a_rank_that_sits_steps_out_trains_exactly_like_one_process_on_the_other_ranks_batches(
     tmp_path, job_helpers, pools
 ):

@@ -1,12 +1,13 @@
 """DynamixAccelerate under `accelerate launch` or `torchrun`: uneven, changing sizes; every rank saves what it saw.
 
 Usage: accelerate launch --multi_gpu --num_processes 2 accelerate_job.py \
-    OUT_DIR [OPTIMIZER] [WORKERS] [ACCUMULATE] [sit-out]
+    OUT_DIR [OPTIMIZER] [WORKERS] [ACCUMULATE] [sit-out | litdata=DIR]
 
 With ACCUMULATE > 1 the loop runs under ``accelerator.accumulate(model)`` and a controller also
 changes the sizes every 2 optimizer steps, so sizes change inside accumulation windows too.
 With ``sit-out`` (``min_batch_size=0``, no controller) each rank in turn trains alone while the
-other sits steps out.
+other sits steps out. With ``litdata=DIR`` the data is the same samples as a LitData dataset in DIR (written by
+write_litdata.py), through a DataLoader over its ``StreamingDataset``.
 """
 
 import sys
@@ -29,7 +30,9 @@ NUM_SAMPLES = 150
 PLAN = {(0, 3): [6, 2], (0, 6): [1, 9], (1, 2): [5, 5], (1, 5): [2, 3]}
 
 accumulate = int(sys.argv[4]) if len(sys.argv) > 4 else 1
-sit_out = len(sys.argv) > 5 and sys.argv[5] == "sit-out"
+mode = sys.argv[5] if len(sys.argv) > 5 else ""
+sit_out = mode == "sit-out"
+litdata_dir = mode.removeprefix("litdata=") if mode.startswith("litdata=") else None
 if sit_out:
     PLAN = {(0, 3): [0, 8], (0, 6): [5, 0], (1, 2): [5, 5], (1, 5): [0, 5]}
 
@@ -80,7 +83,12 @@ if optimizer_name == "errors":  # what bad input says, on every rank
 
 network = make_network(0)
 optimizer = make_optimizer(optimizer_name, network.parameters())
-loader = DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4, shuffle=True, num_workers=workers)
+if litdata_dir is None:
+    loader = DataLoader(IndexedDataset(NUM_SAMPLES), batch_size=4, shuffle=True, num_workers=workers)
+else:
+    import litdata
+
+    loader = DataLoader(litdata.StreamingDataset(litdata_dir), batch_size=4, num_workers=workers)
 model, optimizer, loader = dynamix.prepare(network, optimizer, loader)
 
 steps, synced = [], []
