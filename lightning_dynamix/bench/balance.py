@@ -29,12 +29,19 @@ from lightning_dynamix.bench.oracle import fixed_split_measure, search_best_fixe
 from lightning_dynamix.bench.plots import plot_runs
 from lightning_dynamix.bench.records import machine_description
 from lightning_dynamix.bench.rounds import interleaved_rounds
+from lightning_dynamix.bench.streamed import streamed_data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``dynamix bench balance``."""
     add_cluster_arguments(parser, batch_size=256, controllers="pid")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="read the training split as a LitData StreamingDataset, written into a temporary directory before the"
+        " runs (mlp and transformer; needs litdata); default: in memory, map-style",
+    )
     parser.add_argument(
         "--min-batch-size",
         type=int,
@@ -81,7 +88,11 @@ def run(args: argparse.Namespace) -> None:
                 f" summing to the global batch {total} (--batch-size x ranks)"
             )
     check_machine(args)
-    with contention_for(args):
+    if args.streaming and args.architecture not in ("mlp", "transformer"):
+        raise SystemExit(
+            f"--streaming reads the mlp and transformer workloads' data, not --architecture {args.architecture}"
+        )
+    with contention_for(args), streamed_data(args):
         summary = _runs(args)
     if summary is not None:
         _report(args, summary)

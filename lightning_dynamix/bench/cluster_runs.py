@@ -157,6 +157,7 @@ def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:
         load_changes=args.load_changes,
         group_by_length=args.group_by_length,
         sharded=args.sharded,
+        streaming_dir=getattr(args, "streaming_dir", None),
         **fields,
     )
 

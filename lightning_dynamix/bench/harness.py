@@ -91,6 +91,8 @@ class RunConfig:
         sharded: train the classification workload sharded with FSDP2 under ``HeterogeneousFSDPStrategy``
             (:mod:`lightning_dynamix.bench.sharded`; ``sync_batchnorm`` then converts its BatchNorm layers before
             ``fully_shard``); ``False``: ``HeterogeneousDDPStrategy``.
+        streaming_dir: the classification workload's training split is read from the LitData dataset there
+            (:mod:`lightning_dynamix.bench.streamed`, written for seed 0); ``None``: in memory, map-style.
     """
 
     controller: str = "pid"
@@ -124,6 +126,7 @@ class RunConfig:
     group_by_length: int | None = None
     target_loss: float | None = None
     sharded: bool = False
+    streaming_dir: str | None = None
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -368,6 +371,14 @@ def _workload(config: RunConfig) -> tuple[LightningDataModule, LightningModule]:
     data: LightningDataModule = data_module(
         num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
     )
+    if config.streaming_dir is not None:
+        from lightning_dynamix.bench.streamed import StreamedClassificationDataModule
+
+        if images or config.seed != 0:
+            raise ValueError("the streamed training split is the mlp and transformer workloads' of seed 0")
+        data = StreamedClassificationDataModule(
+            config.streaming_dir, num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
+        )
     model = (ShardedClassificationTask if config.sharded else ClassificationTask)(
         hidden=config.hidden,
         depth=config.depth,

@@ -342,3 +342,20 @@ def test_bench_balance_and_tta_train_the_language_model_weighted_by_tokens(tmp_p
     assert "tokens/s / ideal" in printed
     failed = dynamix_fails("bench", "balance", "--group-by-length", "64", cwd=tmp_path)
     assert "--group-by-length needs --architecture causal-lm" in failed
+
+
+def test_bench_balance_reads_the_training_split_streamed_from_a_litdata_dataset(tmp_path):
+    out = tmp_path / "streamed.json"
+    dynamix(
+        "bench", "balance", "--streaming", "--controllers", "pid", "--speeds", "1,1", "--steps", "20",
+        "--batch-size", "32", "--num-samples", "2048", "--output", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    directory = result["config"]["streaming_dir"]
+    assert directory is not None
+    assert not os.path.exists(directory)  # the dataset written for the runs is gone after them
+    (intervals,) = result["runs"]["pid"]
+    assert [i["step"] for i in intervals] == [10, 15, 20]
+    assert all(sum(i["batch_sizes"]) == 64 for i in intervals)
+    refused = dynamix_here("bench", "balance", "--streaming", "--architecture", "resnet", cwd=tmp_path, fails=True)
+    assert "--streaming reads the mlp and transformer workloads' data, not --architecture resnet" in refused
