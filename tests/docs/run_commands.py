@@ -62,6 +62,8 @@ LONG: dict[str, str] = {
     ".venv/bin/python scripts/arrivals_cost.py": "a timing; tests/distributed/test_fsdp2.py gathers arrivals",
     ".venv/bin/python scripts/chunks_opened.py": "writes a LitData dataset of 20,000 samples (12 s); tests/unit/"
     "test_chunks.py and test_streaming_litdata.py count chunks",
+    ".venv/bin/python scripts/litdata_read_cost.py": "a timing (21 s); tests/unit/test_streaming_litdata.py reads the"
+    " same kind of dataset",
     "dynamix report dynamix_runs/demo/logs": "it reads the demo's logs; tests/cli/test_balance.py reports a short one",
 }
 
