@@ -38,9 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
     parser.add_argument(
         "--streaming",
-        action="store_true",
+        nargs="?",
+        const="shuffled",
+        choices=("shuffled", "in-order"),
+        default=None,
         help="read the training split as a LitData StreamingDataset, written into a temporary directory before the"
-        " runs (mlp and transformer; needs litdata); default: in memory, map-style",
+        " runs (mlp and transformer; needs litdata), each chunk's samples shuffled or, with 'in-order', in the"
+        " chunk's own order (StreamingView(shuffle_within_chunks=False)); default: in memory, map-style",
     )
     parser.add_argument(
         "--min-batch-size",

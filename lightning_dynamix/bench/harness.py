@@ -93,6 +93,7 @@ class RunConfig:
             ``fully_shard``); ``False``: ``HeterogeneousDDPStrategy``.
         streaming_dir: the classification workload's training split is read from the LitData dataset there
             (:mod:`lightning_dynamix.bench.streamed`, written for seed 0); ``None``: in memory, map-style.
+        streaming_in_order: read each chunk's samples in the chunk's own order (``shuffle_within_chunks=False``).
     """
 
     controller: str = "pid"
@@ -127,6 +128,7 @@ class RunConfig:
     target_loss: float | None = None
     sharded: bool = False
     streaming_dir: str | None = None
+    streaming_in_order: bool = False
 
 
 _HOST_RANK = "DYNAMIX_BENCH_HOST_RANK"  # set in a rank launched on a host: its rank
@@ -377,7 +379,11 @@ def _workload(config: RunConfig) -> tuple[LightningDataModule, LightningModule]:
         if images or config.seed != 0:
             raise ValueError("the streamed training split is the mlp and transformer workloads' of seed 0")
         data = StreamedClassificationDataModule(
-            config.streaming_dir, num_samples=config.num_samples, batch_size=config.batch_size, seed=config.seed
+            config.streaming_dir,
+            in_order=config.streaming_in_order,
+            num_samples=config.num_samples,
+            batch_size=config.batch_size,
+            seed=config.seed,
         )
     model = (ShardedClassificationTask if config.sharded else ClassificationTask)(
         hidden=config.hidden,

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_dynamix.data.streaming import StreamingView
 from lightning_dynamix.data.workloads import ClassificationDataModule
 
 CHUNK_SIZE = 256  # samples per chunk file: 64 chunks of the default 16,384 training samples
@@ -47,6 +48,7 @@ def streamed_data(args: argparse.Namespace) -> Iterator[None]:
     """With ``args.streaming``: the training split written as a LitData dataset for the runs (``args.streaming_dir``),
     removed after them; else nothing."""
     args.streaming_dir = None
+    args.streaming_in_order = False
     if not args.streaming:
         yield
         return
@@ -58,6 +60,7 @@ def streamed_data(args: argparse.Namespace) -> Iterator[None]:
         if done.returncode != 0:
             raise SystemExit(f"--streaming: writing the LitData dataset failed:\n{done.stderr[-3000:]}")
         args.streaming_dir = str(out)
+        args.streaming_in_order = args.streaming == "in-order"
         yield
 
 
@@ -81,17 +84,22 @@ def write_training_split(out: str | Path, num_samples: int, seed: int, chunk_siz
 
 class StreamedClassificationDataModule(ClassificationDataModule):
     """:class:`ClassificationDataModule` whose training split is read from the LitData dataset in ``directory``
-    (written by :func:`write_training_split` with the same ``num_samples`` and ``seed``); validation as before."""
+    (written by :func:`write_training_split` with the same ``num_samples`` and ``seed``); validation as before.
+    ``in_order``: each chunk's samples in the chunk's own order (a :class:`StreamingView` that says so)."""
 
-    def __init__(self, directory: str, **kwargs: Any) -> None:
+    def __init__(self, directory: str, in_order: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.directory = directory
+        self.in_order = in_order
 
     @override
     def train_dataloader(self) -> DataLoader:
         litdata = require_litdata("the streamed training split")
         h = self.hparams
-        return DataLoader(litdata.StreamingDataset(self.directory), batch_size=h.batch_size, num_workers=h.num_workers)
+        dataset: Any = litdata.StreamingDataset(self.directory)
+        if self.in_order:
+            dataset = StreamingView(dataset, shuffle_within_chunks=False)
+        return DataLoader(dataset, batch_size=h.batch_size, num_workers=h.num_workers)
 
 
 if __name__ == "__main__":

@@ -58,12 +58,18 @@ class ChunkLayout:
         chunk_sizes: samples per chunk; chunk ``c`` holds indices ``[sum(chunk_sizes[:c]), sum(chunk_sizes[:c+1]))``.
         shuffle: draw the chunks and each chunk's samples in a new order every epoch; else the dataset's order.
         seed: base seed of the orders, the same on every rank.
+        shuffle_within_chunks: with ``shuffle``, each chunk's samples in a new order too; ``False``: in the chunk's
+            own order (only which chunk comes when is drawn), which a streaming library reads far faster (LitData:
+            9 against 148 us a sample) at the cost of samples of one chunk always following each other.
     """
 
-    def __init__(self, chunk_sizes: Sequence[int], *, shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self, chunk_sizes: Sequence[int], *, shuffle: bool = True, seed: int = 0, shuffle_within_chunks: bool = True
+    ) -> None:
         self.chunk_sizes = validate_chunk_sizes(chunk_sizes)
         self.num_samples = sum(self.chunk_sizes)
         self.shuffle = bool(shuffle)
+        self.shuffle_within_chunks = bool(shuffle_within_chunks)
         self.seed = int(seed)
         starts = [0]
         for size in self.chunk_sizes:
@@ -123,7 +129,7 @@ class ChunkLayout:
     def chunk_samples(self, chunk: int) -> list[int]:
         """Chunk ``chunk``'s samples in the order this epoch reads them."""
         start, stop = self._starts[chunk], self._starts[chunk + 1]
-        if not self.shuffle:
+        if not (self.shuffle and self.shuffle_within_chunks):
             return list(range(start, stop))
         generator = torch.Generator()
         generator.manual_seed((self.seed + self._epoch) * _SEED_STRIDE + chunk)

@@ -176,6 +176,9 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             order): each rank then reads whole chunks of its own (:class:`~lightning_dynamix.data.chunks.ChunkLayout`)
             instead of slices of one shuffled order; the sizes, the schedule and the guarantees are the same.
             Default: the dataset's own (:func:`~lightning_dynamix.data.streaming.chunk_sizes_of`), else none.
+        shuffle_within_chunks: with chunks and ``shuffle``, each chunk's samples in a new order every epoch;
+            ``False``: in the chunk's own order (far cheaper to read from a streaming library). Default: the
+            dataset's (a :class:`~lightning_dynamix.data.StreamingView`'s setting), else ``True``.
 
     Steps are counted within an epoch from 0, like Lightning's ``batch_idx``. Call
     :meth:`set_epoch` between epochs (Lightning does it through ``sampler.set_epoch``); a new
@@ -200,8 +203,11 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         group_by_length: int | None = None,
         lengths: Sequence[int] | None = None,
         chunk_sizes: Sequence[int] | None = None,
+        shuffle_within_chunks: bool | None = None,
     ) -> None:
         num_samples = _dataset_length(data_source)
+        if shuffle_within_chunks is None:
+            shuffle_within_chunks = getattr(data_source, "shuffle_within_chunks", True)
         if chunk_sizes is None and not isinstance(data_source, int):
             chunk_sizes = chunk_sizes_of(data_source)
         if chunk_sizes is not None:
@@ -241,7 +247,13 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             group_by_length=group_by_length,
             lengths=lengths,
         )
-        self.layout = None if chunk_sizes is None else ChunkLayout(chunk_sizes, shuffle=self.shuffle, seed=seed)
+        self.layout = (
+            None
+            if chunk_sizes is None
+            else ChunkLayout(
+                chunk_sizes, shuffle=self.shuffle, seed=seed, shuffle_within_chunks=bool(shuffle_within_chunks)
+            )
+        )
         """Which samples fill each rank's batches where the dataset is stored in chunks; ``None``: slices of
         ``sampler``'s order."""
         self.cut_world_size = self.world_size
@@ -494,6 +506,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             "next_epoch_batch_sizes": None if self._next_epoch_sizes is None else list(self._next_epoch_sizes),
             "step": step,
             "num_chunks": None if self.layout is None else self.layout.num_chunks,
+            "shuffle_within_chunks": None if self.layout is None else self.layout.shuffle_within_chunks,
             # the chunk pieces the ranks held at `step` and the chunks not handed out yet
             "chunk_layout": None
             if self.layout is None or step == len(self._schedule)
@@ -530,6 +543,13 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
             raise ValueError(
                 f"cannot resume: the saved sampler read {state_dict.get('num_chunks')!r} chunks (None: a dataset not"
                 f" in chunks), this one {num_chunks!r}; resume with the same dataset and chunk_sizes"
+            )
+        within = None if self.layout is None else self.layout.shuffle_within_chunks
+        saved_within = state_dict.get("shuffle_within_chunks", True)
+        if num_chunks is not None and saved_within != within:
+            raise ValueError(
+                f"cannot resume: the saved sampler had shuffle_within_chunks={saved_within!r}, this one {within!r};"
+                " the order of the samples would differ. Resume with the same setting."
             )
         for key in ("num_samples", "shuffle", "seed", "drop_last", "group_by_length"):
             if state_dict.get(key) != getattr(self, key):

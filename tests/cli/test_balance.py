@@ -347,12 +347,13 @@ def test_bench_balance_and_tta_train_the_language_model_weighted_by_tokens(tmp_p
 def test_bench_balance_reads_the_training_split_streamed_from_a_litdata_dataset(tmp_path):
     out = tmp_path / "streamed.json"
     dynamix(
-        "bench", "balance", "--streaming", "--controllers", "pid", "--speeds", "1,1", "--steps", "20",
+        "bench", "balance", "--streaming", "in-order", "--controllers", "pid", "--speeds", "1,1", "--steps", "20",
         "--batch-size", "32", "--num-samples", "2048", "--output", str(out), cwd=tmp_path,
     )  # fmt: skip
     result = json.loads(out.read_text())
     directory = result["config"]["streaming_dir"]
     assert directory is not None
+    assert result["config"]["streaming_in_order"] is True
     assert not os.path.exists(directory)  # the dataset written for the runs is gone after them
     (intervals,) = result["runs"]["pid"]
     assert [i["step"] for i in intervals] == [10, 15, 20]

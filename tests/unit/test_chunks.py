@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from lightning_dynamix.data import ChunkLayout, HeterogeneousBatchSampler, StreamingView
@@ -172,3 +174,22 @@ def test_a_view_reads_what_can_be_indexed_and_refuses_what_cannot():
         StreamingView(Numbers(0))
     with pytest.raises(ValueError, match=r"`chunk_sizes` sum to 9 samples, but the dataset has 10"):
         StreamingView(Numbers(10), chunk_sizes=[4, 5])
+
+
+def test_chunks_read_in_their_own_order_when_asked_each_sample_still_once():
+    ranks = samplers(2, [48, 16], shuffle_within_chunks=False)
+    steps = run(ranks, {5: [20, 44]})
+    assert sorted(flat(steps)) == list(range(SAMPLES))
+    layout = ranks[0].layout
+    for r in range(2):  # within a chunk a rank reads on in the chunk's order (until another rank takes its tail)
+        mine = [i for step in steps for i in step[r]]
+        same_chunk = [(a, b) for a, b in itertools.pairwise(mine) if layout.chunk_of(a) == layout.chunk_of(b)]
+        assert sum(b == a + 1 for a, b in same_chunk) >= 0.98 * len(same_chunk)
+    assert flat(run(samplers(2, [48, 16]))) != flat(steps)  # shuffled within chunks by default
+    # the view carries the setting to the sampler, and a resume must keep it
+    view = StreamingView(Numbers(SAMPLES), chunk_sizes=CHUNKS, shuffle_within_chunks=False)
+    assert HeterogeneousBatchSampler(view, [8, 8], rank=0, world_size=2).layout.shuffle_within_chunks is False
+    with pytest.raises(ValueError, match="the saved sampler had shuffle_within_chunks=False, this one True"):
+        samplers(2, [8, 8])[0].load_state_dict(ranks[0].state_dict(step=3))
+    with pytest.raises(ValueError, match="`shuffle_within_chunks` must be True or False, got 'no'"):
+        StreamingView(Numbers(3), shuffle_within_chunks="no")
