@@ -35,11 +35,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_dynamix import _compat
 from lightning_dynamix.data.loader import EmptyBatch
+from lightning_dynamix.data.streaming import map_style
 from lightning_dynamix.decisions import ReplicaBalancer
 from lightning_dynamix.distributed.fault_tolerance import (
     FaultTolerantReplica,
@@ -139,11 +140,15 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
         trainer = module.trainer if module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
-        if not isinstance(dataloader, DataLoader) or isinstance(dataloader.dataset, IterableDataset):
+        if not isinstance(dataloader, DataLoader):
             raise MisconfigurationException(
                 "FaultTolerantStrategy needs the training data as a torch DataLoader over a map-style dataset,"
                 f" got {type(dataloader).__name__}."
             )
+        try:  # a streaming dataset that can be indexed (LitData's, MosaicML's) is read through a map-style view
+            dataset = map_style(dataloader.dataset, "FaultTolerantStrategy")
+        except ValueError as error:
+            raise MisconfigurationException(str(error)) from None
         batch_size = self.settings.batch_size if self.settings.batch_size is not None else dataloader.batch_size
         if dataloader.num_workers > 0:
             rank_zero_warn(
@@ -153,19 +158,19 @@ class FaultTolerantStrategy(SingleDeviceStrategy):
             )
         if self.replica is None:
             self.replica = self.settings.replica(
-                len(dataloader.dataset),  # type: ignore[arg-type]
+                len(dataset),
                 self._state_dict,
                 self._load_state_dict,
                 self.backend,
                 self.balancer,
                 self.time_source if self.time_source is not None else time_source_for(self.root_device),
             )
-        elif len(dataloader.dataset) != self.replica.num_samples:  # type: ignore[arg-type]
+        elif len(dataset) != self.replica.num_samples:
             raise MisconfigurationException(
                 f"FaultTolerantStrategy: the training data changed from {self.replica.num_samples} samples"
-                f" to {len(dataloader.dataset)}."  # type: ignore[arg-type]
+                f" to {len(dataset)}."
             )
-        self._batches = StepBatches(self.replica, dataloader.dataset, dataloader.collate_fn, batch_size)
+        self._batches = StepBatches(self.replica, dataset, dataloader.collate_fn, batch_size)
         return self._batches
 
     # ------------------------------------------------------------------ the state a joining replica receives

@@ -21,6 +21,7 @@ from lightning_dynamix.data.sampler import EpochPermutation
 from lightning_dynamix.distributed import job_environment
 from lightning_dynamix.distributed.fault_tolerance import Lighthouse, participant_sizes
 from tests import forkserver
+from tests.conftest import LITDATA_SAMPLES
 from tests.distributed.conftest import PRELOAD
 
 pytestmark = pytest.mark.distributed
@@ -115,9 +116,9 @@ def test_every_sample_is_trained_exactly_once_per_epoch_by_the_committed_steps(k
     assert_every_sample_once_per_epoch(committed_steps(killed_and_joined), STEPS)
 
 
-def assert_every_sample_once_per_epoch(steps: dict[int, dict], count: int) -> None:
+def assert_every_sample_once_per_epoch(steps: dict[int, dict], count: int, num_samples: int = NUM_SAMPLES) -> None:
     assert sorted(steps) == list(range(count))
-    order = EpochPermutation(NUM_SAMPLES, seed=SEED)
+    order = EpochPermutation(num_samples, seed=SEED)
     seen: dict[int, list[int]] = {}
     for number in range(count):
         step = steps[number]
@@ -128,7 +129,7 @@ def assert_every_sample_once_per_epoch(steps: dict[int, dict], count: int) -> No
             assert indices == batch[start : start + step["sizes"][participant]]
         seen.setdefault(step["epoch"], []).extend(batch)
     for epoch in range(max(seen)):  # every epoch but the last, which the job may end inside
-        assert sorted(seen[epoch]) == list(range(NUM_SAMPLES)), epoch
+        assert sorted(seen[epoch]) == list(range(num_samples)), epoch
 
 
 def test_the_killed_replicas_step_is_trained_again_by_the_survivors_and_a_joiner_takes_its_share(killed_and_joined):
@@ -162,8 +163,10 @@ def test_the_committed_steps_equal_one_process_trained_on_the_same_global_batche
     assert_like_one_process(killed_and_joined, committed_steps(killed_and_joined), STEPS, ("r0", "r2"))
 
 
-def assert_like_one_process(out: Path, steps: dict[int, dict], count: int, finishers: tuple[str, ...]) -> None:
-    data, order = IndexedDataset(NUM_SAMPLES), EpochPermutation(NUM_SAMPLES, seed=SEED)
+def assert_like_one_process(
+    out: Path, steps: dict[int, dict], count: int, finishers: tuple[str, ...], num_samples: int = NUM_SAMPLES
+) -> None:
+    data, order = IndexedDataset(num_samples), EpochPermutation(num_samples, seed=SEED)
     network = make_network(0)
     optimizer = make_optimizer("sgd", network.parameters())
     for number in range(count):
@@ -275,3 +278,19 @@ def test_dynamix_callback_under_the_fault_tolerant_strategy_decides_the_same_siz
     assert decisions[-1][1] == [9, 3]  # 12 in proportion to 1000 and 333 samples/s
     assert [s["sizes"] for s in logs["r0"][-3:]] == [[9, 3]] * 3
     assert_every_sample_once_per_epoch(committed_steps(tmp_path, ("r0", "r1")), STEPS)
+
+
+def test_a_litdata_streaming_dataset_trains_like_one_process_under_the_fault_tolerant_strategy(tmp_path, litdata_dir):
+    # two replicas whose Lightning module returns a DataLoader over a LitData StreamingDataset (150 samples)
+    with Lighthouse(min_replicas=2, heartbeat_timeout=2.0) as lighthouse:
+        replicas = {
+            name: start_replica(
+                "ft_lightning_job.py", lighthouse.address, name, tmp_path, 6, 0.0, LITDATA_DIR=str(litdata_dir)
+            )
+            for name in ("r0", "r1")
+        }
+        for name, process in replicas.items():
+            assert process.wait(timeout=90) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    steps = committed_steps(tmp_path, ("r0", "r1"))
+    assert_every_sample_once_per_epoch(steps, STEPS, LITDATA_SAMPLES)
+    assert_like_one_process(tmp_path, steps, STEPS, ("r0", "r1"), LITDATA_SAMPLES)

@@ -8,8 +8,10 @@ parameters. STEP_SECONDS sleeps in each training step; once OUT_DIR/REPLICA_ID.d
 instead, inside its next step (common.inside_a_step). With JOIN_FILE it starts once that
 file exists.
 
-With SECONDS_PER_SAMPLE in the environment, DynamixCallback("pid") decides what the replica asks for (every 2
-steps), timing the replica on a virtual clock that only its own samples move, that many seconds each.
+With LITDATA_DIR in the environment the training data is the LitData dataset there (write_litdata.py), read by a
+DataLoader over its StreamingDataset. With SECONDS_PER_SAMPLE in the environment, DynamixCallback("pid") decides
+what the replica asks for (every 2 steps), timing the replica on a virtual clock that only its own samples move,
+that many seconds each.
 """
 
 import os
@@ -34,6 +36,14 @@ join_file = Path(sys.argv[6]) if len(sys.argv) > 6 else None
 
 
 class Slow(Net):
+    def train_dataloader(self):
+        if "LITDATA_DIR" not in os.environ:
+            return super().train_dataloader()
+        import litdata
+        from torch.utils.data import DataLoader
+
+        return DataLoader(litdata.StreamingDataset(os.environ["LITDATA_DIR"]), batch_size=4)
+
     def training_step(self, batch, batch_idx):
         now[0] += seconds_per_sample * len(batch[0])
         inside_a_step(out, replica_id, self.trainer.global_step, pause)
