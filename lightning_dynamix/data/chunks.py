@@ -188,12 +188,13 @@ class ChunkLayout:
         return replay
 
     # ------------------------------------------------------------------ cost
-    def chunks_opened(self, schedule: EpochSchedule, rank: int, start: int | None = None) -> int:
-        """How many times ``rank`` opens a chunk over the epoch (from ``start``): each step's chunks, a chunk read
-        over consecutive steps counted once."""
+    def chunks_opened(self, schedule: EpochSchedule, rank: int) -> int:
+        """How many times ``rank`` opens a chunk over the epoch as ``schedule`` plans it now (a chunk read over
+        consecutive steps counted once). Computed apart: nothing is kept for steps whose sizes may still change."""
+        replay = _Replay(self, schedule.world_size, self._first_step, self._start)
         opened, previous = 0, None
-        for step in range(self._first_step if start is None else start, len(schedule)):
-            for index in self.step(schedule, step)[rank]:
+        for step in range(self._first_step, len(schedule)):
+            for index in self._take(replay, schedule, step)[rank]:
                 chunk = self.chunk_of(index)
                 if chunk != previous:
                     opened += 1
