@@ -169,31 +169,20 @@ def result_metric_types() -> tuple[type, type, type]:
 # ------------------------------------------------------------------------------------------------- torch
 
 
-def _batch_norm_base() -> type:
+def _torch_private(module: str, name: str, why: str) -> Any:
+    """torch's private ``module.name``, or the error that names it and the version the package was tested with."""
     try:
-        from torch.nn.modules.batchnorm import _BatchNorm
-    except ImportError as error:
-        raise _missing(
-            "torch", "`torch.nn.modules.batchnorm._BatchNorm`", "find and replace BatchNorm layers"
-        ) from error
-    return _BatchNorm
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as error:
+        raise _missing("torch", f"`{module}.{name}`", why) from error
 
 
-BatchNormBase: type = _batch_norm_base()
+BatchNormBase: type = _torch_private("torch.nn.modules.batchnorm", "_BatchNorm", "find and replace BatchNorm layers")
 """torch's base class of every BatchNorm layer (1d, 2d, 3d, lazy, ``SyncBatchNorm``)."""
 
-
-def _iterable_placeholder_sampler() -> type:
-    try:
-        from torch.utils.data.dataloader import _InfiniteConstantSampler
-    except ImportError as error:
-        raise _missing(
-            "torch", "`torch.utils.data.dataloader._InfiniteConstantSampler`", "rebuild a DataLoader over a stream"
-        ) from error
-    return _InfiniteConstantSampler
-
-
-IterablePlaceholderSampler: type = _iterable_placeholder_sampler()
+IterablePlaceholderSampler: type = _torch_private(
+    "torch.utils.data.dataloader", "_InfiniteConstantSampler", "rebuild a DataLoader over a stream"
+)
 """The sampler torch gives a DataLoader over an iterable-style dataset: it yields nothing but ``None``."""
 
 
