@@ -19,6 +19,7 @@ epoch's chunks not yet handed out, on any number of ranks.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -71,10 +72,7 @@ class ChunkLayout:
         self.shuffle = bool(shuffle)
         self.shuffle_within_chunks = bool(shuffle_within_chunks)
         self.seed = int(seed)
-        starts = [0]
-        for size in self.chunk_sizes:
-            starts.append(starts[-1] + size)
-        self._starts = starts
+        self._starts = list(itertools.accumulate(self.chunk_sizes, initial=0))
         self._epoch = 0
         self._start: dict[str, Any] | None = None  # the queues at `_first_step` (a resume); None: the epoch's start
         self._first_step = 0
@@ -88,14 +86,7 @@ class ChunkLayout:
 
     def chunk_of(self, index: int) -> int:
         """The chunk that holds sample ``index``."""
-        lo, hi = 0, self.num_chunks
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if self._starts[mid] <= index:
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return bisect.bisect_right(self._starts, index) - 1
 
     # ------------------------------------------------------------------ epochs and resumes
     def set_epoch(self, epoch: int, start: dict[str, Any] | None = None, at_step: int = 0) -> None:
@@ -107,13 +98,12 @@ class ChunkLayout:
         self._replay = None
         self._recut = {}
 
-    def resplit(self, from_step: int, produced: int) -> None:
-        """Steps from ``from_step`` on are split anew: those already produced (before ``produced``) keep their
-        samples, cut again in rank order at the new sizes; later ones take at the new sizes."""
-        for step in range(from_step, produced):
-            taken = self._cache.get(step)
-            if taken is not None:
-                self._recut.setdefault(step, tuple(len(indices) for indices in taken))
+    def resplit(self, from_step: int, produced: dict[int, BatchSizes]) -> None:
+        """Steps from ``from_step`` on are split anew: those already produced (``produced``: each one's sizes as it
+        was produced) keep their samples, cut again in rank order at the new sizes; later ones take at the new
+        sizes."""
+        for step, sizes in produced.items():
+            self._recut.setdefault(step, sizes)
         self._cache = {s: v for s, v in self._cache.items() if s < from_step}
         if self._replay is not None and self._replay.step > from_step:
             self._replay = None
@@ -186,20 +176,6 @@ class ChunkLayout:
             self._cache.setdefault(at, self._take(replay, schedule, at))
         self._replay = replay
         return replay
-
-    # ------------------------------------------------------------------ cost
-    def chunks_opened(self, schedule: EpochSchedule, rank: int) -> int:
-        """How many times ``rank`` opens a chunk over the epoch as ``schedule`` plans it now (a chunk read over
-        consecutive steps counted once). Computed apart: nothing is kept for steps whose sizes may still change."""
-        replay = _Replay(self, schedule.world_size, self._first_step, self._start)
-        opened, previous = 0, None
-        for step in range(self._first_step, len(schedule)):
-            for index in self._take(replay, schedule, step)[rank]:
-                chunk = self.chunk_of(index)
-                if chunk != previous:
-                    opened += 1
-                    previous = chunk
-        return opened
 
 
 def _checked_start(start: dict[str, Any], num_samples: int, num_chunks: int) -> dict[str, Any]:

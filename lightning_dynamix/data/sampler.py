@@ -405,6 +405,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
                 f"`step` must be the step being trained ({trained}) or a later one of this epoch, got {step!r}"
             )
         global_batch = sum(self._schedule.nominal_batch_sizes_at(step))
+        produced = {s: self._schedule.batch_sizes_at(s) for s in range(step, self._produced)}
         if sum(sizes) != global_batch:
             raise ValueError(
                 f"`batch_sizes` {list(sizes)} sum to {sum(sizes)}; a resplit keeps step {step}'s global batch"
@@ -414,7 +415,7 @@ class HeterogeneousBatchSampler(Sampler[list[int]]):
         self._next_epoch_sizes = None
         self._resplit = (step, max(self._produced, self._resplit[1]))
         if self.layout is not None:
-            self.layout.resplit(step, self._produced)
+            self.layout.resplit(step, produced)
         self._schedule_changed()
 
     def was_resplit(self, step: int) -> bool:
