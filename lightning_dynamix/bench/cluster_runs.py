@@ -158,7 +158,7 @@ def run_config(args: argparse.Namespace, **fields: Any) -> RunConfig:
         group_by_length=args.group_by_length,
         sharded=args.sharded,
         streaming_dir=getattr(args, "streaming_dir", None),
-        streaming_in_order=getattr(args, "streaming_in_order", False),
+        streaming_in_order=getattr(args, "streaming", None) == "in-order",
         **fields,
     )
 

@@ -48,7 +48,6 @@ def streamed_data(args: argparse.Namespace) -> Iterator[None]:
     """With ``args.streaming``: the training split written as a LitData dataset for the runs (``args.streaming_dir``),
     removed after them; else nothing."""
     args.streaming_dir = None
-    args.streaming_in_order = False
     if not args.streaming:
         yield
         return
@@ -60,7 +59,6 @@ def streamed_data(args: argparse.Namespace) -> Iterator[None]:
         if done.returncode != 0:
             raise SystemExit(f"--streaming: writing the LitData dataset failed:\n{done.stderr[-3000:]}")
         args.streaming_dir = str(out)
-        args.streaming_in_order = args.streaming == "in-order"
         yield
 
 

@@ -32,8 +32,6 @@ def total_length(dataset: Any) -> int:
 
     LitData: the sum of its chunks' ``region_of_interest``; MosaicML: ``num_samples``; any other: ``len()``.
     """
-    if isinstance(dataset, StreamingView):
-        return len(dataset)
     regions = _regions(dataset)
     if regions is not None:
         return sum(regions)
